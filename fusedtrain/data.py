@@ -1,0 +1,312 @@
+"""Corpus -> token array (tokenized once with `datasets`, cached, memory-mapped) -> windows.
+
+Sources (`data.source`):
+  stdlib     the running interpreter's own standard-library .py files (offline, everywhere)
+  text       local text files (`data.files`)
+  hub        a Hugging Face hub dataset (`data.name`), when the machine is online
+  synthetic  uniform random tokens, for throughput runs
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import sys
+import sysconfig
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+log = logging.getLogger(__name__)
+
+SOURCES = ("stdlib", "text", "hub", "synthetic")
+TOKENIZERS = ("byte", "gpt2")
+# GPT-2's pre-tokenizer split pattern (the public tiktoken definition).
+_GPT2_PATTERN = (
+    r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+)
+
+
+@dataclass
+class DataConfig:
+    source: str = "stdlib"
+    files: list[str] = field(default_factory=list)
+    name: str | None = None  # hub dataset name
+    split: str = "train"  # hub split
+    text_column: str = "text"
+    tokenizer: str = "byte"
+    bpe_file: str | None = None  # a local gpt2.tiktoken ranks file, for tokenizer=gpt2
+    max_files: int | None = None  # cap on corpus files (stdlib/text), e.g. for quick tests
+    synthetic_tokens: int = 1 << 20
+    val_fraction: float = 0.05
+    val_batches: int = 8
+    batch_size: int = 8
+    num_workers: int = 0
+    num_proc: int | None = None  # processes for tokenizing; None = min(4, cpus)
+    cache_dir: str = "~/.cache/fusedtrain"
+
+    def __post_init__(self) -> None:
+        if self.source not in SOURCES:
+            raise ValueError(f"data.source must be one of {SOURCES}, got {self.source!r}")
+        if self.tokenizer not in TOKENIZERS:
+            raise ValueError(f"data.tokenizer must be one of {TOKENIZERS}, got {self.tokenizer!r}")
+        if self.batch_size <= 0:
+            raise ValueError(f"data.batch_size must be positive, got {self.batch_size}")
+        if not 0.0 < self.val_fraction < 0.5:
+            raise ValueError(f"data.val_fraction must be in (0, 0.5), got {self.val_fraction}")
+        if self.source == "text" and not self.files:
+            raise ValueError("data.source=text needs data.files=[path, ...]")
+        if self.source == "hub" and not self.name:
+            raise ValueError("data.source=hub needs data.name=<dataset on the hub>")
+        if self.max_files is not None and self.max_files <= 0:
+            raise ValueError(f"data.max_files must be positive, got {self.max_files}")
+
+
+# ---------------------------------------------------------------- tokenizers
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens: offline, exact round trip. Documents are joined by byte 0."""
+
+    name = "byte"
+    vocab_size = 256
+    eot = 0
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids) -> str:
+        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+
+
+class GPT2Tokenizer:
+    """GPT-2 BPE through tiktoken, from a local ranks file (no download)."""
+
+    name = "gpt2"
+    vocab_size = 50257
+    eot = 50256
+
+    def __init__(self, bpe_file: str | None):
+        if not bpe_file or not Path(bpe_file).expanduser().is_file():
+            raise ValueError(
+                f"data.tokenizer=gpt2 needs data.bpe_file pointing at a local gpt2.tiktoken "
+                f"ranks file (got {bpe_file!r}); or use data.tokenizer=byte"
+            )
+        try:
+            import tiktoken
+            from tiktoken.load import load_tiktoken_bpe
+        except ImportError as e:
+            raise ValueError("data.tokenizer=gpt2 needs tiktoken: pip install tiktoken") from e
+        self.bpe_file = str(Path(bpe_file).expanduser())
+        self._enc = tiktoken.Encoding(
+            name="gpt2", pat_str=_GPT2_PATTERN,
+            mergeable_ranks=load_tiktoken_bpe(self.bpe_file),
+            special_tokens={"<|endoftext|>": self.eot},
+        )
+
+    def encode(self, text: str) -> list[int]:
+        return self._enc.encode_ordinary(text)
+
+    def decode(self, ids) -> str:
+        return self._enc.decode([int(i) for i in ids])
+
+
+def make_tokenizer(cfg: DataConfig) -> ByteTokenizer | GPT2Tokenizer:
+    return ByteTokenizer() if cfg.tokenizer == "byte" else GPT2Tokenizer(cfg.bpe_file)
+
+
+# ---------------------------------------------------------------- corpus files
+
+
+def stdlib_files() -> list[Path]:
+    """The interpreter's standard-library .py sources, site-packages excluded."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "dist-packages", "__pycache__"}
+    return sorted(
+        p for p in root.rglob("*.py") if not skip.intersection(p.relative_to(root).parts)
+    )
+
+
+def corpus_files(cfg: DataConfig) -> list[Path]:
+    if cfg.source == "stdlib":
+        files = stdlib_files()
+        if not files:
+            raise ValueError(f"no standard-library sources found under {sys.prefix}")
+    else:
+        files = [Path(f).expanduser() for f in cfg.files]
+        for f in files:
+            if not f.is_file():
+                raise ValueError(f"data.files: {str(f)!r} does not exist or is not a file")
+            if f.stat().st_size == 0:
+                raise ValueError(f"data.files: {str(f)!r} is empty")
+    return files[: cfg.max_files] if cfg.max_files else files
+
+
+def _cache_key(cfg: DataConfig, tok) -> str:
+    h = hashlib.sha256()
+    h.update(f"{cfg.source}|{tok.name}|{getattr(tok, 'bpe_file', '')}".encode())
+    if cfg.source in ("stdlib", "text"):
+        for f in corpus_files(cfg):
+            st = f.stat()
+            h.update(f"{f}|{st.st_size}|{st.st_mtime_ns}".encode())
+    elif cfg.source == "hub":
+        h.update(f"{cfg.name}|{cfg.split}|{cfg.text_column}".encode())
+    return h.hexdigest()[:20]
+
+
+def _load_texts(cfg: DataConfig):
+    import datasets
+
+    if cfg.source == "hub":
+        ds = datasets.load_dataset(cfg.name, split=cfg.split)
+        if cfg.text_column not in ds.column_names:
+            raise ValueError(
+                f"data.text_column={cfg.text_column!r} not in {cfg.name!r}: {ds.column_names}"
+            )
+        return ds.select_columns([cfg.text_column]).rename_column(cfg.text_column, "text")
+    texts = [f.read_text(encoding="utf-8", errors="replace") for f in corpus_files(cfg)]
+    return datasets.Dataset.from_dict({"text": texts})
+
+
+def build_token_cache(cfg: DataConfig) -> Path:
+    """Tokenize the corpus once and store it as a flat uint16 array; return its path.
+
+    Keyed by corpus (file names, sizes, mtimes or hub name) and tokenizer, so a
+    second run with the same corpus memory-maps the cached array.
+    """
+    tok = make_tokenizer(cfg)
+    cache_dir = Path(os.path.expanduser(cfg.cache_dir))
+    path = cache_dir / f"tokens-{cfg.source}-{tok.name}-{_cache_key(cfg, tok)}.u16"
+    if path.exists():
+        return path
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    texts = _load_texts(cfg)
+    num_proc = cfg.num_proc or min(4, os.cpu_count() or 1)
+    num_proc = num_proc if len(texts) >= 4 * num_proc else None
+
+    def encode(batch):
+        ids = [tok.encode(t) + [tok.eot] for t in batch["text"]]
+        return {"ids": ids, "n": [len(i) for i in ids]}
+
+    ds = texts.map(encode, batched=True, num_proc=num_proc, remove_columns=["text"],
+                   desc=f"tokenizing ({tok.name})")
+    total = int(np.sum(ds["n"]))
+    if total < 2:
+        raise ValueError(f"data.source={cfg.source}: the corpus has no text")
+    tmp = path.with_suffix(".tmp")
+    out = np.memmap(tmp, dtype=np.uint16, mode="w+", shape=(total,))
+    pos = 0
+    for batch in ds.iter(batch_size=1024):
+        chunk = np.fromiter((t for ids in batch["ids"] for t in ids), dtype=np.uint16)
+        out[pos:pos + len(chunk)] = chunk
+        pos += len(chunk)
+    out.flush()
+    del out
+    os.replace(tmp, path)
+    path.with_suffix(".json").write_text(json.dumps(
+        {"source": cfg.source, "tokenizer": tok.name, "tokens": total, "files": len(texts)}
+    ))
+    log.info("cached %d tokens at %s", total, path)
+    return path
+
+
+def load_tokens(cfg: DataConfig, vocab_size: int, seed: int) -> np.ndarray:
+    """The whole corpus as a 1-D token array (memory-mapped unless synthetic)."""
+    if cfg.source == "synthetic":
+        rng = np.random.default_rng(seed)
+        return rng.integers(0, vocab_size, size=cfg.synthetic_tokens, dtype=np.int64).astype(
+            np.uint16 if vocab_size <= 65536 else np.int32
+        )
+    tok = make_tokenizer(cfg)
+    if tok.vocab_size > vocab_size:
+        raise ValueError(
+            f"data.tokenizer={tok.name} has {tok.vocab_size} tokens but model.vocab_size is "
+            f"{vocab_size}"
+        )
+    return np.memmap(build_token_cache(cfg), dtype=np.uint16, mode="r")
+
+
+# ---------------------------------------------------------------- windows
+
+
+class RandomWindows(Dataset):
+    """Sample i is a window of T+1 tokens at a start drawn from (seed, i) alone, so
+    any position in the stream of samples can be reproduced (resume)."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, seed: int, length: int):
+        if len(tokens) < seq_len + 2:
+            raise ValueError(
+                f"the corpus split has {len(tokens)} tokens, fewer than a window of "
+                f"{seq_len + 1}: shorten the sequence or use more data"
+            )
+        self.tokens, self.seq_len, self.seed, self.length = tokens, seq_len, seed, length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        start = np.random.default_rng((self.seed, i)).integers(
+            0, len(self.tokens) - self.seq_len - 1
+        )
+        w = torch.from_numpy(self.tokens[start:start + self.seq_len + 1].astype(np.int64))
+        return w[:-1], w[1:]
+
+
+class SkipSampler(torch.utils.data.Sampler):
+    """Sequential indices from `start`: the data-stream position survives a resume."""
+
+    def __init__(self, length: int, start: int = 0):
+        self.length, self.start = length, start
+
+    def __len__(self) -> int:
+        return self.length - self.start
+
+    def __iter__(self):
+        return iter(range(self.start, self.length))
+
+
+class TokenDataModule(L.LightningDataModule):
+    def __init__(self, cfg: DataConfig, seq_len: int, vocab_size: int, seed: int,
+                 max_steps: int):
+        super().__init__()
+        self.cfg, self.seq_len, self.vocab_size, self.seed = cfg, seq_len, vocab_size, seed
+        self.num_train_samples = max(1, max_steps) * cfg.batch_size
+        self.start_sample = 0  # set on resume
+        self.train_set: RandomWindows | None = None
+        self.val_set: RandomWindows | None = None
+
+    def prepare_data(self) -> None:
+        if self.cfg.source != "synthetic":
+            build_token_cache(self.cfg)
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_set is not None:
+            return
+        tokens = load_tokens(self.cfg, self.vocab_size, self.seed)
+        n_val = max(int(len(tokens) * self.cfg.val_fraction), self.seq_len + 2)
+        if len(tokens) - n_val < self.seq_len + 2:
+            raise ValueError(
+                f"corpus of {len(tokens)} tokens is too small for sequence length {self.seq_len}"
+            )
+        self.train_set = RandomWindows(tokens[:-n_val], self.seq_len, self.seed,
+                                       self.num_train_samples)
+        self.val_set = RandomWindows(tokens[-n_val:], self.seq_len, self.seed + 1,
+                                     self.cfg.val_batches * self.cfg.batch_size)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(
+            self.train_set, batch_size=self.cfg.batch_size,
+            sampler=SkipSampler(len(self.train_set), self.start_sample),
+            num_workers=self.cfg.num_workers, pin_memory=torch.cuda.is_available(),
+            drop_last=True,
+        )
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.val_set, batch_size=self.cfg.batch_size,
+                          num_workers=self.cfg.num_workers, drop_last=True)

@@ -1,0 +1,105 @@
+"""Unfused PyTorch twins of every fused op: the eager path and the test oracle.
+
+Each function has the same name, signature and semantics as its counterpart in
+`fusedtrain.ops`. Nothing here imports from the rest of the package.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def linear_gelu(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+    approximate: str = "none",
+) -> torch.Tensor:
+    """y = gelu(x @ weight.T + bias).  x: (..., K), weight: (N, K), bias: (N,) -> y: (..., N)."""
+    return F.gelu(F.linear(x, weight, bias), approximate=approximate)
+
+
+def fused_mlp(
+    x: torch.Tensor, fc_weight: torch.Tensor, fc_bias: torch.Tensor | None,
+    proj_weight: torch.Tensor, proj_bias: torch.Tensor | None, approximate: str = "none",
+) -> torch.Tensor:
+    """y = gelu(x @ fc_weight.T + fc_bias) @ proj_weight.T + proj_bias.
+
+    x: (..., C), fc_weight: (H, C), proj_weight: (C_out, H) -> y: (..., C_out).
+    Autograd keeps x, h and gelu(h) alive for backward: the cost the fused op removes.
+    """
+    return F.linear(linear_gelu(x, fc_weight, fc_bias, approximate), proj_weight, proj_bias)
+
+
+def qkv_projection(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n_heads: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Three projections from slices of one (3C, C) weight, each split into heads.
+
+    x: (B, T, C), weight: (3C, C), bias: (3C,) -> q, k, v: (B, n_heads, T, C // n_heads).
+    """
+    B, T, C = x.shape
+    D = C // n_heads
+    outs = []
+    for i in range(3):
+        w = weight[i * C:(i + 1) * C]
+        b = None if bias is None else bias[i * C:(i + 1) * C]
+        outs.append(F.linear(x, w, b).view(B, T, n_heads, D).transpose(1, 2))
+    return outs[0], outs[1], outs[2]
+
+
+def flash_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
+    softmax_scale: float | None = None,
+) -> torch.Tensor:
+    """Plain math attention: softmax(q k^T * scale [+ causal mask]) v.
+
+    q, k, v: (B, H, T, D) -> o: (B, H, T, D). The (T, T) matrix is materialised;
+    the softmax runs in at least fp32.
+    """
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
+    scores = torch.matmul(q, k.transpose(-2, -1)) * scale
+    if causal:
+        T = q.shape[-2]
+        mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~mask, float("-inf"))
+    softmax_dtype = torch.promote_types(q.dtype, torch.float32)
+    probs = torch.softmax(scores, dim=-1, dtype=softmax_dtype).to(q.dtype)
+    return torch.matmul(probs, v)
+
+
+def layer_norm(
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float = 1e-5
+) -> torch.Tensor:
+    """x: (..., C), weight, bias: (C,) -> y: (..., C)."""
+    return F.layer_norm(x, x.shape[-1:], weight, bias, eps)
+
+
+def add_layer_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None,
+    bias: torch.Tensor | None, eps: float = 1e-5,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """s = x + residual; returns (layer_norm(s), s).  x, residual: (..., C)."""
+    s = x + residual
+    return layer_norm(s, weight, bias, eps), s
+
+
+def layer_norm_gelu(
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+    eps: float = 1e-5, approximate: str = "none",
+) -> torch.Tensor:
+    """y = gelu(layer_norm(x)).  x: (..., C)."""
+    return F.gelu(layer_norm(x, weight, bias, eps), approximate=approximate)
+
+
+def qkv_projection_packed(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n_heads: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The same result as `qkv_projection` the way nanoGPT computes it: one (C, 3C)
+    linear, then split, view and transpose. The model's eager path uses this form
+    (the stronger eager baseline); `qkv_projection` is the three-projection twin."""
+    B, T, C = x.shape
+    q, k, v = F.linear(x, weight, bias).split(C, dim=-1)
+    D = C // n_heads
+    return tuple(t.view(B, T, n_heads, D).transpose(1, 2) for t in (q, k, v))

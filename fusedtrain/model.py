@@ -1,0 +1,144 @@
+"""GPT-2 shaped language model: learned positions, pre-LN blocks, tied head."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from fusedtrain.modules import MLP, CausalSelfAttention, ResidualLayerNorm
+
+KERNEL_FAMILIES = ("mlp", "qkv", "attention", "layernorm")
+
+
+@dataclass
+class GPTConfig:
+    block_size: int = 1024
+    vocab_size: int = 50304
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    dropout: float = 0.0
+    bias: bool = True
+    gelu: str = "tanh"  # "tanh" (GPT-2's) or "none" (erf)
+    eager_attention: str = "math"  # the unfused attention: "math" or "sdpa"
+    kernels: dict[str, bool] = field(default_factory=lambda: dict.fromkeys(KERNEL_FAMILIES, False))
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
+            if int(getattr(self, name)) <= 0:
+                raise ValueError(f"model.{name} must be positive, got {getattr(self, name)}")
+        if self.n_embd % self.n_head:
+            raise ValueError(
+                f"model.n_embd ({self.n_embd}) must be divisible by model.n_head ({self.n_head})"
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"model.dropout must be in [0, 1), got {self.dropout}")
+        if self.gelu not in ("none", "tanh"):
+            raise ValueError(f"model.gelu must be 'none' or 'tanh', got {self.gelu!r}")
+        if self.eager_attention not in ("math", "sdpa"):
+            raise ValueError(
+                f"model.eager_attention must be 'math' or 'sdpa', got {self.eager_attention!r}"
+            )
+        unknown = set(self.kernels) - set(KERNEL_FAMILIES)
+        if unknown:
+            raise ValueError(
+                f"unknown model.kernels entries {sorted(unknown)}; known: {list(KERNEL_FAMILIES)}"
+            )
+        self.kernels = {k: bool(self.kernels.get(k, False)) for k in KERNEL_FAMILIES}
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class Block(nn.Module):
+    """Pre-LN transformer block on the residual stream.
+
+    The sublayer output of the previous block arrives as `delta` and is added to
+    the stream inside this block's first LayerNorm (fused as add_layer_norm);
+    this block's MLP output leaves as the next delta.
+    """
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        k = cfg.kernels
+        self.ln_1 = ResidualLayerNorm(cfg.n_embd, k["layernorm"], cfg.bias)
+        self.attn = CausalSelfAttention(
+            cfg.n_embd, cfg.n_head, k["qkv"], k["attention"], cfg.eager_attention, cfg.bias
+        )
+        self.ln_2 = ResidualLayerNorm(cfg.n_embd, k["layernorm"], cfg.bias)
+        self.mlp = MLP(cfg.n_embd, k["mlp"], cfg.bias, cfg.gelu)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(
+        self, stream: torch.Tensor, delta: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        h, stream = self.ln_1(stream, delta)
+        h, stream = self.ln_2(stream, self.drop(self.attn(h)))
+        return stream, self.drop(self.mlp(h))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.config = cfg
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(cfg.vocab_size, cfg.n_embd),
+            wpe=nn.Embedding(cfg.block_size, cfg.n_embd),
+            drop=nn.Dropout(cfg.dropout),
+            h=nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer)),
+            ln_f=ResidualLayerNorm(cfg.n_embd, cfg.kernels["layernorm"], cfg.bias),
+        ))
+        self.apply(self._init_weights)
+        # GPT-2: residual projections scaled by 1/sqrt(2L) so the stream's variance
+        # does not grow with depth.
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """idx: (B, T) token ids -> logits: (B, T, vocab_size)."""
+        B, T = idx.shape
+        if T > self.config.block_size:
+            raise ValueError(
+                f"sequence length {T} exceeds model.block_size {self.config.block_size}"
+            )
+        tr = self.transformer
+        pos = torch.arange(T, device=idx.device)
+        stream = tr.drop(tr.wte(idx) + tr.wpe(pos))
+        delta = None
+        for block in tr.h:
+            stream, delta = block(stream, delta)
+        x, _ = tr.ln_f(stream, delta)
+        return F.linear(x, tr.wte.weight)  # head tied to the token embedding
+
+    def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy.  idx, targets: (B, T)."""
+        logits = self(idx)
+        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+
+    def num_params(self, non_embedding: bool = True) -> int:
+        """Parameter count; with non_embedding, position embeddings are left out
+        (the token embedding stays: it is the head's weight too)."""
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding:
+            n -= self.transformer.wpe.weight.numel()
+        return n
+
+    def flops_per_token(self, seq_len: int | None = None) -> float:
+        """Training flops per token: 6N + 12 * L * H * Dh * T (PaLM appendix B)."""
+        c = self.config
+        T = seq_len or c.block_size
+        return 6 * self.num_params() + 12 * c.n_layer * c.n_embd * T

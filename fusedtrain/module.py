@@ -1,0 +1,130 @@
+"""LightningModule: next-token loss, AdamW with warmup + cosine, throughput and MFU."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import lightning as L
+import torch
+
+from fusedtrain.model import GPT, GPTConfig
+
+# Dense bf16 tensor-core peaks (FLOP/s) by device-name fragment, for MFU.
+PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L4": 121e12, "A10": 125e12}
+
+
+def peak_flops(device: torch.device | None = None) -> tuple[str, float] | None:
+    """(device name, dense bf16 peak) for a known CUDA GPU, else None."""
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, flops in PEAK_BF16_FLOPS.items():
+        if key in name:
+            return name, flops
+    return None
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 6e-4
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"optim.lr must be positive, got {self.lr}")
+        if self.weight_decay < 0:
+            raise ValueError(f"optim.weight_decay must be >= 0, got {self.weight_decay}")
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"optim.{name} must be in [0, 1), got {getattr(self, name)}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+
+
+def lr_multiplier(step: int, warmup: int, total: int, min_ratio: float) -> float:
+    """Linear warmup to 1, then cosine decay to min_ratio at `total` steps."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+class GPTModule(L.LightningModule):
+    def __init__(self, model_cfg: GPTConfig, optim_cfg: OptimConfig, max_steps: int,
+                 compile: bool = False):
+        super().__init__()
+        self.save_hyperparameters({"model": model_cfg.to_dict(), "optim": vars(optim_cfg),
+                                   "max_steps": max_steps, "compile": compile})
+        self.model_cfg, self.optim_cfg, self.max_steps = model_cfg, optim_cfg, max_steps
+        self.model = GPT(model_cfg)
+        self.compile = compile
+        self._step_model = torch.compile(self.model) if compile else self.model
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = self._step_model.loss(x, y)
+        self.log("train/loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val/loss", self._step_model.loss(x, y), prog_bar=True, sync_dist=True)
+
+    def configure_optimizers(self):
+        o = self.optim_cfg
+        decay = [p for p in self.model.parameters() if p.dim() >= 2]
+        no_decay = [p for p in self.model.parameters() if p.dim() < 2]
+        opt = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": o.weight_decay},
+             {"params": no_decay, "weight_decay": 0.0}],
+            lr=o.lr, betas=(o.beta1, o.beta2), fused=torch.cuda.is_available(),
+        )
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda s: lr_multiplier(s, o.warmup_steps, self.max_steps, o.min_lr_ratio)
+        )
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class ThroughputMonitor(L.Callback):
+    """Logs tokens/s (and MFU on a known GPU) over a sliding window of steps.
+
+    The first `skip_steps` steps (torch.compile, Triton autotuning, allocator
+    warm-up) are left out of the rate; the window start is synchronised so the
+    rate covers finished device work.
+    """
+
+    def __init__(self, skip_steps: int = 5, window: int = 10):
+        self.skip_steps, self.window = skip_steps, window
+        self._marks: list[tuple[float, int]] = []
+        self.tokens_per_s: float | None = None
+        self.mfu: float | None = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        step = trainer.global_step
+        if step < self.skip_steps:
+            return
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        x = batch[0]
+        tokens = x.numel() * trainer.world_size
+        self._marks.append((time.perf_counter(), tokens))
+        self._marks = self._marks[-(self.window + 1):]
+        if len(self._marks) < 2:
+            return
+        elapsed = self._marks[-1][0] - self._marks[0][0]
+        done = sum(t for _, t in self._marks[1:])
+        self.tokens_per_s = done / elapsed
+        pl_module.log("tokens_per_s", self.tokens_per_s, prog_bar=True)
+        peak = peak_flops()
+        if peak is not None:
+            flops = pl_module.model.flops_per_token(x.shape[1]) * self.tokens_per_s
+            self.mfu = flops / (peak[1] * trainer.world_size)
+            pl_module.log("mfu", self.mfu, prog_bar=True)

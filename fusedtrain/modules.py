@@ -1,0 +1,100 @@
+"""nn.Modules of the GPT block, each choosing its fused op or its eager twin.
+
+Parameter names and shapes are the same on both paths (GPT-2's), so a checkpoint
+trained one way loads the other way.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from fusedtrain import eager
+
+
+def _fused_ops():
+    # Imported on first use: importing the kernels picks Triton's interpreter on
+    # a machine without CUDA, which an all-eager run never needs.
+    from fusedtrain import ops
+
+    return ops
+
+
+class ResidualLayerNorm(nn.Module):
+    """LayerNorm of the residual stream, with the pending sublayer output added first.
+
+    forward(stream, delta) -> (layer_norm(stream + delta), stream + delta); with
+    delta=None it is a plain LayerNorm and the stream passes through.
+    stream, delta: (B, T, C).
+    """
+
+    def __init__(self, n_embd: int, fused: bool, bias: bool = True, eps: float = 1e-5):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n_embd))
+        self.bias = nn.Parameter(torch.zeros(n_embd)) if bias else None
+        self.eps = eps
+        self.fused = fused
+
+    def forward(
+        self, stream: torch.Tensor, delta: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        impl = _fused_ops() if self.fused else eager
+        if delta is None:
+            return impl.layer_norm(stream, self.weight, self.bias, self.eps), stream
+        return impl.add_layer_norm(delta, stream, self.weight, self.bias, self.eps)
+
+
+class MLP(nn.Module):
+    """x: (B, T, C) -> gelu(x W_fc^T + b_fc) W_proj^T + b_proj: (B, T, C)."""
+
+    def __init__(self, n_embd: int, fused: bool, bias: bool = True, approximate: str = "tanh"):
+        super().__init__()
+        self.c_fc = nn.Linear(n_embd, 4 * n_embd, bias=bias)
+        self.c_proj = nn.Linear(4 * n_embd, n_embd, bias=bias)
+        self.fused = fused
+        self.approximate = approximate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        impl = _fused_ops() if self.fused else eager
+        return impl.fused_mlp(
+            x, self.c_fc.weight, self.c_fc.bias, self.c_proj.weight, self.c_proj.bias,
+            self.approximate,
+        )
+
+
+class CausalSelfAttention(nn.Module):
+    """x: (B, T, C) -> causal multi-head self-attention: (B, T, C).
+
+    fused_qkv: one Triton GEMM writes q, k, v as (B, H, T, D); else one linear + split.
+    fused_attention: Triton flash attention; else `eager_attention`, "math" (the
+    (T, T) matrix in memory) or "sdpa" (PyTorch's scaled_dot_product_attention).
+    """
+
+    def __init__(
+        self, n_embd: int, n_head: int, fused_qkv: bool, fused_attention: bool,
+        eager_attention: str = "math", bias: bool = True,
+    ):
+        super().__init__()
+        if eager_attention not in ("math", "sdpa"):
+            raise ValueError(f"eager_attention must be 'math' or 'sdpa', got {eager_attention!r}")
+        self.c_attn = nn.Linear(n_embd, 3 * n_embd, bias=bias)
+        self.c_proj = nn.Linear(n_embd, n_embd, bias=bias)
+        self.n_head = n_head
+        self.fused_qkv = fused_qkv
+        self.fused_attention = fused_attention
+        self.eager_attention = eager_attention
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        if self.fused_qkv:
+            q, k, v = _fused_ops().qkv_projection(x, self.c_attn.weight, self.c_attn.bias, self.n_head)
+        else:
+            q, k, v = eager.qkv_projection_packed(x, self.c_attn.weight, self.c_attn.bias, self.n_head)
+        if self.fused_attention:
+            y = _fused_ops().flash_attention(q, k, v, causal=True)
+        elif self.eager_attention == "sdpa":
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            y = eager.flash_attention(q, k, v, causal=True)
+        return self.c_proj(y.transpose(1, 2).reshape(B, T, C))

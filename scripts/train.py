@@ -1,0 +1,96 @@
+"""Train a GPT: python scripts/train.py [fused=true|false] [model=...] [data=...] [trainer=...]"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import hydra
+import lightning as L
+import torch
+from hydra.core.hydra_config import HydraConfig
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+from omegaconf import DictConfig, OmegaConf
+
+from fusedtrain.config import ConfigError, build_run_config
+from fusedtrain.data import TokenDataModule
+from fusedtrain.module import GPTModule, ThroughputMonitor
+
+log = logging.getLogger("fusedtrain")
+
+
+def resolve_ckpt(ckpt_path: str | None, run_dir: Path) -> str | None:
+    """'last' -> this run dir's last.ckpt, else the newest last.ckpt under outputs/."""
+    if ckpt_path != "last":
+        if ckpt_path is not None and not Path(ckpt_path).is_file():
+            raise ConfigError(f"ckpt_path: no checkpoint at {ckpt_path!r}")
+        return ckpt_path
+    here = run_dir / "checkpoints" / "last.ckpt"
+    if here.is_file():
+        return str(here)
+    found = sorted(Path("outputs").glob("**/checkpoints/last.ckpt"), key=lambda p: p.stat().st_mtime)
+    if not found:
+        raise ConfigError("ckpt_path=last: no last.ckpt in this run dir or under outputs/")
+    return str(found[-1])
+
+
+def train(cfg: DictConfig) -> dict:
+    run = build_run_config(cfg)
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    log.info("config:\n%s", OmegaConf.to_yaml(cfg, resolve=True))
+    fused = [k for k, on in run.model.kernels.items() if on]
+    log.info("fused components: %s", ", ".join(fused) if fused else "none (all eager)")
+
+    L.seed_everything(run.seed, workers=True)
+    trainer_kwargs = dict(run.trainer)
+    if trainer_kwargs.get("precision") is None:
+        on_gpu = torch.cuda.is_available() and trainer_kwargs.get("accelerator") != "cpu"
+        trainer_kwargs["precision"] = "bf16-mixed" if on_gpu else "32-true"
+    max_steps = trainer_kwargs["max_steps"]
+    if trainer_kwargs.get("limit_val_batches") == 0:
+        trainer_kwargs.pop("val_check_interval", None)
+
+    datamodule = TokenDataModule(run.data, run.model.block_size, run.model.vocab_size,
+                                 run.seed, max_steps)
+    module = GPTModule(run.model, run.optim, max_steps, compile=run.compile)
+    throughput = ThroughputMonitor(skip_steps=run.throughput_skip_steps)
+    checkpoints = ModelCheckpoint(dirpath=run_dir / "checkpoints", filename="step{step}",
+                                  auto_insert_metric_name=False, save_last=True,
+                                  monitor="val/loss", save_top_k=1)
+    trainer = L.Trainer(
+        default_root_dir=run_dir, logger=CSVLogger(run_dir, name="", version=""),
+        callbacks=[throughput, checkpoints], **trainer_kwargs,
+    )
+    trainer.fit(module, datamodule=datamodule,
+                ckpt_path=resolve_ckpt(run.ckpt_path, run_dir))
+
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    summary = {
+        "steps": trainer.global_step,
+        "train_loss": metrics.get("train/loss"),
+        "val_loss": metrics.get("val/loss"),
+        "tokens_per_s": throughput.tokens_per_s,
+        "mfu": throughput.mfu,
+        "run_dir": str(run_dir),
+    }
+    fmt = lambda v: "n/a" if v is None else f"{v:.4g}"  # noqa: E731
+    print(f"done: {summary['steps']} steps, train loss {fmt(summary['train_loss'])}, "
+          f"val loss {fmt(summary['val_loss'])}, {fmt(summary['tokens_per_s'])} tokens/s"
+          + (f", MFU {summary['mfu']:.3f}" if summary["mfu"] is not None else "")
+          + f", outputs in {run_dir}")
+    return summary
+
+
+@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    try:
+        train(cfg)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
