@@ -1,0 +1,163 @@
+"""Helpers shared by every kernel family: GELU and its derivative, the GEMM main
+loop, reductions, dtype plumbing and the autotune wrapper.
+
+Kernels here use Triton's builtins only, never triton.language's own @jit helpers
+(tl.sum, tl.max, tl.zeros, tl.sigmoid, tl.cdiv, ...): when triton was imported
+before TRITON_INTERPRET was set (torch and lightning import it), those stay
+compiled-mode functions that the interpreter cannot call. The few we need are
+re-stated below on top of builtins (tl.reduce, tl.full, tl.exp).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import triton
+import triton.language as tl
+
+from fusedtrain.kernels import INTERPRET
+
+INV_SQRT2: tl.constexpr = 0.7071067811865476
+INV_SQRT_2PI: tl.constexpr = 0.3989422804014327
+SQRT_2_OVER_PI: tl.constexpr = 0.7978845608028654
+TANH_COEF: tl.constexpr = 0.044715
+
+APPROXIMATIONS = {"none": 0, "tanh": 1}
+
+
+@triton.jit
+def _add(a, b):
+    return a + b
+
+
+@triton.jit
+def _maximum(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def row_sum(x, axis: tl.constexpr):
+    return tl.reduce(x, axis, _add)
+
+
+@triton.jit
+def row_max(x, axis: tl.constexpr):
+    return tl.reduce(x, axis, _maximum)
+
+
+@triton.jit
+def sigmoid(x):
+    return 1.0 / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def cdiv(a, b):
+    return (a + b - 1) // b
+
+
+@triton.jit
+def gelu(h, APPROX: tl.constexpr):
+    """GELU of h (fp32 or fp64). APPROX=0: exact erf form; 1: tanh form, computed as
+    h * sigmoid(2z) with z = sqrt(2/pi) (h + 0.044715 h^3), since 0.5 (1 + tanh z) = sigmoid(2z)."""
+    if APPROX:
+        z = SQRT_2_OVER_PI * (h + TANH_COEF * h * h * h)
+        return h * sigmoid(2.0 * z)
+    else:
+        return 0.5 * h * (1.0 + tl.erf(h * INV_SQRT2))
+
+
+@triton.jit
+def gelu_grad(h, APPROX: tl.constexpr):
+    """d gelu(h) / dh, recomputed from the pre-activation h."""
+    if APPROX:
+        z = SQRT_2_OVER_PI * (h + TANH_COEF * h * h * h)
+        s = sigmoid(2.0 * z)
+        dz = SQRT_2_OVER_PI * (1.0 + 3.0 * TANH_COEF * h * h)
+        return s + h * s * (1.0 - s) * 2.0 * dz
+    else:
+        cdf = 0.5 * (1.0 + tl.erf(h * INV_SQRT2))
+        return cdf + h * INV_SQRT_2PI * tl.exp(-0.5 * h * h)
+
+
+@triton.jit
+def matmul_acc(acc, a_ptr, b_ptr, offs_m, offs_n, M, N, K, s_am, s_ak, s_bk, s_bn,
+               BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+               B_GELU: tl.constexpr = False, APPROX: tl.constexpr = 0):
+    """acc += A[offs_m, :K] @ B[:K, offs_n], where A[m, k] lives at a_ptr + m*s_am + k*s_ak
+    and B[k, n] at b_ptr + k*s_bk + n*s_bn; any strides, so transposes are free.
+
+    B_GELU: B is a pre-activation and gelu(B) is what gets multiplied (recomputed in
+    registers as each tile is loaded, so gelu(B) never exists in memory).
+    Rows/columns past M/N and the K tail load as zeros.
+    """
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + offs_m.to(tl.int64)[:, None] * s_am + offs_k[None, :] * s_ak
+    b_ptrs = b_ptr + offs_k[:, None] * s_bk + offs_n.to(tl.int64)[None, :] * s_bn
+    m_ok = offs_m[:, None] < M
+    n_ok = offs_n[None, :] < N
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = offs_k < K - k0
+        a = tl.load(a_ptrs, mask=m_ok & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok, other=0.0)
+        if B_GELU:
+            b = gelu(b.to(acc.dtype), APPROX).to(a.dtype)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        a_ptrs += BLOCK_K * s_ak
+        b_ptrs += BLOCK_K * s_bk
+    return acc
+
+
+def acc_dtype(t: torch.Tensor) -> tl.dtype:
+    """Accumulator type for a kernel's `ACC` constexpr: fp64 for fp64 data, else fp32."""
+    return tl.float64 if t.dtype == torch.float64 else tl.float32
+
+
+def dot_precision(t: torch.Tensor) -> str:
+    """For a kernel's `PRECISION` constexpr. fp32 operands are multiplied in full
+    precision, as eager fp32 matmul is by default, not in tf32: the fused op must
+    stay within 2x the eager op's error."""
+    return "ieee" if t.dtype in (torch.float32, torch.float64) else "tf32"
+
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def autotune(configs: list[triton.Config], key: list[str], interpret: triton.Config, **kwargs):
+    """triton.autotune over `configs` on a GPU; under the interpreter only the single
+    `interpret` config (tuned for few, large programs, which the interpreter runs
+    fastest). The GPU choice is cached on disk where this Triton supports it, so a
+    second process does not re-tune."""
+    if INTERPRET:
+        configs = [interpret]
+    if "cache_results" in inspect.signature(triton.autotune).parameters:
+        kwargs.setdefault("cache_results", True)
+    return triton.autotune(configs=configs, key=key, **kwargs)
+
+
+@triton.jit
+def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Map a 1-D program id to an output tile (pid_m, pid_n), walking GROUP_M row
+    tiles down each column before moving right, so concurrently running programs
+    share A rows and B columns in L2."""
+    num_m = cdiv(M, BLOCK_M)
+    num_n = cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    rows = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % rows
+    pid_n = (pid % per_group) // rows
+    return pid_m, pid_n
+
+
+def gemm_configs() -> list[triton.Config]:
+    """Hopper-leaning GEMM tilings for the autotuner (bf16/fp16; the fp32 ones that do
+    not fit in shared memory are skipped by the autotuner)."""
+    shapes = [(128, 256, 64, 3, 8), (256, 128, 64, 3, 8), (128, 128, 64, 4, 4),
+              (128, 128, 64, 3, 8), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4),
+              (64, 64, 64, 4, 4), (128, 128, 32, 4, 4)]
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8},
+                          num_stages=s, num_warps=w) for m, n, k, s, w in shapes]
+
+
+INTERPRET_GEMM = triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8})

@@ -1,0 +1,6 @@
+"""The public fused ops (see DESIGN.md): each a differentiable op over Triton kernels,
+with a twin of the same name and semantics in `fusedtrain.eager`."""
+
+from fusedtrain.ops.linear_gelu import fused_mlp, linear_gelu
+
+__all__ = ["fused_mlp", "linear_gelu"]

@@ -1,0 +1,60 @@
+"""Input checks shared by the ops: errors name the argument; autocast handling."""
+
+from __future__ import annotations
+
+import torch
+
+from fusedtrain.kernels._common import SUPPORTED_DTYPES
+
+GELU_FORMS = ("none", "tanh")
+
+
+def check_tensor(name: str, t, *, ndim: int | None = None, min_ndim: int | None = None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(
+            f"{name} has dtype {t.dtype}; supported: float16, bfloat16, float32, float64"
+        )
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
+    if min_ndim is not None and t.dim() < min_ndim:
+        raise ValueError(
+            f"{name} must have at least {min_ndim} dimension(s), got shape {tuple(t.shape)}"
+        )
+
+
+def check_same(ref_name: str, ref: torch.Tensor, **others: torch.Tensor | None) -> None:
+    """Every given tensor has ref's dtype and device."""
+    for name, t in others.items():
+        if t is None:
+            continue
+        if t.device != ref.device:
+            raise ValueError(f"{name} is on {t.device} but {ref_name} is on {ref.device}")
+        if t.dtype != ref.dtype:
+            raise TypeError(f"{name} has dtype {t.dtype} but {ref_name} has {ref.dtype}")
+
+
+def check_approximate(approximate: str) -> None:
+    if approximate not in GELU_FORMS:
+        raise ValueError(f"approximate must be 'none' or 'tanh', got {approximate!r}")
+
+
+def autocast_dtype(t: torch.Tensor) -> torch.dtype | None:
+    """The autocast dtype in force for t's device, or None."""
+    dev = t.device.type
+    if dev in ("cuda", "cpu") and torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    return None
+
+
+def autocast_cast(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """Under autocast, cast floating inputs to the autocast dtype (as F.linear does);
+    otherwise return them unchanged. Gradients flow back through the casts."""
+    first = next(t for t in tensors if t is not None)
+    dt = autocast_dtype(first) if isinstance(first, torch.Tensor) else None
+    if dt is None:
+        return tensors
+    return tuple(
+        t.to(dt) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in tensors
+    )

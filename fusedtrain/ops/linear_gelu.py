@@ -1,0 +1,178 @@
+"""Differentiable Linear+GELU and fused MLP ops over the Triton kernels.
+
+Kernel launchers are torch.library custom ops (with fake implementations and flop
+formulas), so torch.compile treats them as opaque nodes; the autograd.Functions
+call them in forward and backward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.utils.flop_counter import register_flop_formula
+
+from fusedtrain import eager
+from fusedtrain.kernels import linear_gelu as K
+from fusedtrain.ops._validate import (
+    autocast_cast, check_approximate, check_same, check_tensor,
+)
+
+Tensor = torch.Tensor
+
+# ---------------------------------------------------------------- registered launchers
+
+
+@torch.library.custom_op("fusedtrain::linear_gelu_fwd", mutates_args=())
+def _linear_gelu_fwd(x: Tensor, weight: Tensor, bias: Tensor | None,
+                     approximate: str) -> tuple[Tensor, Tensor]:
+    y, h = K.linear_gelu_fwd(x, weight, bias, approximate, store_h=True)
+    return y, h
+
+
+@_linear_gelu_fwd.register_fake
+def _(x, weight, bias, approximate):
+    out = x.new_empty((x.shape[0], weight.shape[0]))
+    return out, torch.empty_like(out)
+
+
+@torch.library.custom_op("fusedtrain::matmul_dgelu", mutates_args=())
+def _matmul_dgelu(dy: Tensor, w2: Tensor, h: Tensor, approximate: str) -> Tensor:
+    return K.matmul_dgelu(dy, w2, h, approximate)
+
+
+@_matmul_dgelu.register_fake
+def _(dy, w2, h, approximate):
+    return h.new_empty(h.shape)
+
+
+@torch.library.custom_op("fusedtrain::matmul_gelu_rhs", mutates_args=())
+def _matmul_gelu_rhs(dy: Tensor, h: Tensor, approximate: str) -> Tensor:
+    return K.matmul_gelu_rhs(dy, h, approximate)
+
+
+@_matmul_gelu_rhs.register_fake
+def _(dy, h, approximate):
+    return dy.new_empty((dy.shape[1], h.shape[1]))
+
+
+@torch.library.custom_op("fusedtrain::gelu_bwd", mutates_args=())
+def _gelu_bwd(dy: Tensor, h: Tensor, approximate: str) -> Tensor:
+    return K.gelu_bwd(dy, h, approximate)
+
+
+@_gelu_bwd.register_fake
+def _(dy, h, approximate):
+    return h.new_empty(h.shape)
+
+
+@register_flop_formula(torch.ops.fusedtrain.linear_gelu_fwd)
+def _(x_shape, w_shape, *args, **kwargs) -> int:
+    return 2 * x_shape[0] * x_shape[1] * w_shape[0]
+
+
+@register_flop_formula(torch.ops.fusedtrain.matmul_dgelu)
+def _(dy_shape, w2_shape, *args, **kwargs) -> int:
+    return 2 * dy_shape[0] * dy_shape[1] * w2_shape[1]
+
+
+@register_flop_formula(torch.ops.fusedtrain.matmul_gelu_rhs)
+def _(dy_shape, h_shape, *args, **kwargs) -> int:
+    return 2 * dy_shape[0] * dy_shape[1] * h_shape[1]
+
+
+# ---------------------------------------------------------------- autograd
+
+
+def _bias_grad(dh: Tensor, bias: Tensor | None) -> Tensor | None:
+    return None if bias is None else dh.sum(0, dtype=torch.float32).to(bias.dtype)
+
+
+class LinearGELUFunction(torch.autograd.Function):
+    """y = gelu(x @ W.T + b); saves x and h = x @ W.T + b, recomputes gelu'(h)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, approximate: str):
+        y, h = torch.ops.fusedtrain.linear_gelu_fwd(x, weight, bias, approximate)
+        ctx.save_for_backward(x, weight, bias, h)
+        ctx.approximate = approximate
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        x, weight, bias, h = ctx.saved_tensors
+        dh = torch.ops.fusedtrain.gelu_bwd(dy, h, ctx.approximate)
+        return dh @ weight, dh.t() @ x, _bias_grad(dh, bias), None
+
+
+class FusedMLPFunction(torch.autograd.Function):
+    """y = gelu(x @ W1.T + b1) @ W2.T + b2, saving only x and h (never gelu(h))."""
+
+    @staticmethod
+    def forward(ctx, x, fc_weight, fc_bias, proj_weight, proj_bias, approximate: str):
+        g, h = torch.ops.fusedtrain.linear_gelu_fwd(x, fc_weight, fc_bias, approximate)
+        y = F.linear(g, proj_weight, proj_bias)  # g is dropped here, not saved
+        ctx.save_for_backward(x, fc_weight, fc_bias, proj_weight, proj_bias, h)
+        ctx.approximate = approximate
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        x, w1, b1, w2, b2, h = ctx.saved_tensors
+        a = ctx.approximate
+        dh = torch.ops.fusedtrain.matmul_dgelu(dy, w2, h, a)      # (dy @ W2) * gelu'(h)
+        dw2 = torch.ops.fusedtrain.matmul_gelu_rhs(dy, h, a)      # dy.T @ gelu(h)
+        return dh @ w1, dh.t() @ x, _bias_grad(dh, b1), dw2, _bias_grad(dy, b2), None
+
+
+# ---------------------------------------------------------------- public ops
+
+
+def _check_linear(x: Tensor, weight: Tensor, bias: Tensor | None, wname: str, bname: str,
+                  in_features: int) -> None:
+    check_tensor(wname, weight, ndim=2)
+    check_same("x", x, **{wname: weight, bname: bias})
+    if weight.shape[1] != in_features:
+        raise ValueError(
+            f"{wname} has shape {tuple(weight.shape)}: expected (N, {in_features}) to match "
+            f"the input's last dimension {in_features}"
+        )
+    if bias is not None:
+        check_tensor(bname, bias, ndim=1)
+        if bias.shape[0] != weight.shape[0]:
+            raise ValueError(
+                f"{bname} has shape {tuple(bias.shape)}, expected ({weight.shape[0]},)"
+            )
+
+
+def linear_gelu(x: Tensor, weight: Tensor, bias: Tensor | None = None,
+                approximate: str = "none") -> Tensor:
+    """y = gelu(x @ weight.T + bias).  x: (..., K), weight: (N, K), bias: (N,) -> (..., N)."""
+    check_approximate(approximate)
+    check_tensor("x", x, min_ndim=1)
+    x, weight, bias = autocast_cast(x, weight, bias)
+    _check_linear(x, weight, bias, "weight", "bias", x.shape[-1])
+    if x.numel() == 0:
+        return eager.linear_gelu(x, weight, bias, approximate)
+    y = LinearGELUFunction.apply(x.reshape(-1, x.shape[-1]), weight, bias, approximate)
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def fused_mlp(x: Tensor, fc_weight: Tensor, fc_bias: Tensor | None, proj_weight: Tensor,
+              proj_bias: Tensor | None, approximate: str = "none") -> Tensor:
+    """y = gelu(x @ fc_weight.T + fc_bias) @ proj_weight.T + proj_bias.
+
+    x: (..., C), fc_weight: (H, C), proj_weight: (C_out, H) -> (..., C_out).
+    Saves for backward only x and the pre-activation h.
+    """
+    check_approximate(approximate)
+    check_tensor("x", x, min_ndim=1)
+    x, fc_weight, fc_bias, proj_weight, proj_bias = autocast_cast(
+        x, fc_weight, fc_bias, proj_weight, proj_bias)
+    _check_linear(x, fc_weight, fc_bias, "fc_weight", "fc_bias", x.shape[-1])
+    check_tensor("proj_weight", proj_weight, ndim=2)
+    _check_linear(x, proj_weight, proj_bias, "proj_weight", "proj_bias", fc_weight.shape[0])
+    if x.numel() == 0:
+        return eager.fused_mlp(x, fc_weight, fc_bias, proj_weight, proj_bias, approximate)
+    y = FusedMLPFunction.apply(x.reshape(-1, x.shape[-1]), fc_weight, fc_bias, proj_weight,
+                               proj_bias, approximate)
+    return y.view(*x.shape[:-1], proj_weight.shape[0])
