@@ -81,30 +81,36 @@ def gelu_grad(h, APPROX: tl.constexpr):
 
 
 @triton.jit
-def matmul_acc(acc, a_ptr, b_ptr, offs_m, offs_n, M, N, K, s_am, s_ak, s_bk, s_bn,
+def matmul_acc(acc, a_ptr, b_ptr, a_rows, b_cols, rows_ok, cols_ok,
+               K_OUTER, K_INNER, s_a_outer, s_a_inner, s_b_outer, s_b_inner,
                BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
                B_GELU: tl.constexpr = False, APPROX: tl.constexpr = 0):
-    """acc += A[offs_m, :K] @ B[:K, offs_n], where A[m, k] lives at a_ptr + m*s_am + k*s_ak
-    and B[k, n] at b_ptr + k*s_bk + n*s_bn; any strides, so transposes are free.
+    """acc += A @ B over one output tile.
 
-    B_GELU: B is a pre-activation and gelu(B) is what gets multiplied (recomputed in
+    A[r, k] lives at a_ptr + a_rows[r] + koff_a(k) and B[k, c] at b_ptr + koff_b(k) + b_cols[c],
+    where a_rows / b_cols are precomputed element offsets (int64) of the tile's rows and
+    columns, and the reduction index runs as k = (outer, inner) over K_OUTER x K_INNER with
+    koff_a = outer * s_a_outer + inner * s_a_inner (koff_b likewise). A plain GEMM has
+    K_OUTER = 1; the two-level form lets an operand live in a head-split (B, H, T, D) layout
+    (k = (head, d) or (batch, t)) and still be read in place, with masked tails.
+
+    B_GELU: B holds a pre-activation and gelu(B) is multiplied instead (recomputed in
     registers as each tile is loaded, so gelu(B) never exists in memory).
-    Rows/columns past M/N and the K tail load as zeros.
     """
     offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + offs_m.to(tl.int64)[:, None] * s_am + offs_k[None, :] * s_ak
-    b_ptrs = b_ptr + offs_k[:, None] * s_bk + offs_n.to(tl.int64)[None, :] * s_bn
-    m_ok = offs_m[:, None] < M
-    n_ok = offs_n[None, :] < N
-    for k0 in range(0, K, BLOCK_K):
-        k_ok = offs_k < K - k0
-        a = tl.load(a_ptrs, mask=m_ok & k_ok[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok, other=0.0)
-        if B_GELU:
-            b = gelu(b.to(acc.dtype), APPROX).to(a.dtype)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
-        a_ptrs += BLOCK_K * s_ak
-        b_ptrs += BLOCK_K * s_bk
+    for o in range(0, K_OUTER):
+        a_base = a_ptr + tl.cast(o, tl.int64) * s_a_outer + a_rows[:, None]
+        b_base = b_ptr + tl.cast(o, tl.int64) * s_b_outer + b_cols[None, :]
+        for i0 in range(0, K_INNER, BLOCK_K):
+            k = i0 + offs_k
+            k_ok = k < K_INNER
+            a = tl.load(a_base + k[None, :] * s_a_inner, mask=rows_ok[:, None] & k_ok[None, :],
+                        other=0.0)
+            b = tl.load(b_base + k[:, None] * s_b_inner, mask=k_ok[:, None] & cols_ok[None, :],
+                        other=0.0)
+            if B_GELU:
+                b = gelu(b.to(acc.dtype), APPROX).to(a.dtype)
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
     return acc
 
 
@@ -161,3 +167,9 @@ def gemm_configs() -> list[triton.Config]:
 
 
 INTERPRET_GEMM = triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8})
+
+
+@triton.jit
+def pick3(i, p0, p1, p2):
+    """p0, p1 or p2 by a run-time index i in {0, 1, 2} (e.g. q, k or v)."""
+    return tl.where(i == 0, p0, tl.where(i == 1, p1, p2))

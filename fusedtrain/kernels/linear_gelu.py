@@ -36,15 +36,15 @@ def _linear_gelu_fwd_kernel(
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, ACC)
-    # B[k, n] = W[n, k]: the transpose is only a choice of strides.
-    acc = matmul_acc(acc, x_ptr, w_ptr, offs_m, offs_n, M, N, K, s_xm, s_xk, s_wk, s_wn,
-                     BLOCK_K, PRECISION)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(ACC)[None, :]
     rows = offs_m.to(tl.int64)[:, None]
     cols = offs_n.to(tl.int64)[None, :]
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, ACC)
+    # B[k, n] = W[n, k]: the transpose is only a choice of strides.
+    acc = matmul_acc(acc, x_ptr, w_ptr, offs_m.to(tl.int64) * s_xm, offs_n.to(tl.int64) * s_wn,
+                     offs_m < M, offs_n < N, 1, K, 0, s_xk, 0, s_wk, BLOCK_K, PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(ACC)[None, :]
     if STORE_H:
         tl.store(h_ptr + rows * s_hm + cols * s_hn, acc.to(h_ptr.dtype.element_ty), mask=mask)
     y = gelu(acc, APPROX)
@@ -63,8 +63,8 @@ def _matmul_dgelu_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.full((BLOCK_M, BLOCK_N), 0.0, ACC)
-    acc = matmul_acc(acc, dy_ptr, w_ptr, offs_m, offs_n, M, N, K, s_dym, s_dyk, s_wk, s_wn,
-                     BLOCK_K, PRECISION)
+    acc = matmul_acc(acc, dy_ptr, w_ptr, offs_m.to(tl.int64) * s_dym, offs_n.to(tl.int64) * s_wn,
+                     offs_m < M, offs_n < N, 1, K, 0, s_dyk, 0, s_wk, BLOCK_K, PRECISION)
     rows = offs_m.to(tl.int64)[:, None]
     cols = offs_n.to(tl.int64)[None, :]
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
@@ -85,8 +85,9 @@ def _matmul_gelu_rhs_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.full((BLOCK_M, BLOCK_N), 0.0, ACC)
-    acc = matmul_acc(acc, a_ptr, h_ptr, offs_m, offs_n, M, N, K, s_am, s_ak, s_hk, s_hn,
-                     BLOCK_K, PRECISION, B_GELU=True, APPROX=APPROX)
+    acc = matmul_acc(acc, a_ptr, h_ptr, offs_m.to(tl.int64) * s_am, offs_n.to(tl.int64) * s_hn,
+                     offs_m < M, offs_n < N, 1, K, 0, s_ak, 0, s_hk, BLOCK_K, PRECISION,
+                     B_GELU=True, APPROX=APPROX)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * s_cm + offs_n.to(tl.int64)[None, :] * s_cn
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)

@@ -2,5 +2,6 @@
 with a twin of the same name and semantics in `fusedtrain.eager`."""
 
 from fusedtrain.ops.linear_gelu import fused_mlp, linear_gelu
+from fusedtrain.ops.qkv import qkv_projection
 
-__all__ = ["fused_mlp", "linear_gelu"]
+__all__ = ["fused_mlp", "linear_gelu", "qkv_projection"]
