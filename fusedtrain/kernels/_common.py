@@ -5,7 +5,8 @@ Kernels here use Triton's builtins only, never triton.language's own @jit helper
 (tl.sum, tl.max, tl.zeros, tl.sigmoid, tl.cdiv, ...): when triton was imported
 before TRITON_INTERPRET was set (torch and lightning import it), those stay
 compiled-mode functions that the interpreter cannot call. The few we need are
-re-stated below on top of builtins (tl.reduce, tl.full, tl.exp).
+re-stated below on top of builtins (tl.reduce, tl.full, tl.exp); the reductions
+pass tl.sum's / tl.max's own combine functions to tl.reduce.
 """
 
 from __future__ import annotations
@@ -36,14 +37,20 @@ def _maximum(a, b):
     return tl.maximum(a, b)
 
 
+# The combine functions behind tl.sum / tl.max, when this Triton has them: the
+# interpreter recognises them and reduces with numpy instead of element by element.
+_SUM_COMBINE: tl.constexpr = getattr(tl.standard, "_sum_combine", _add)
+_MAX_COMBINE: tl.constexpr = getattr(tl.standard, "_elementwise_max", _maximum)
+
+
 @triton.jit
 def row_sum(x, axis: tl.constexpr):
-    return tl.reduce(x, axis, _add)
+    return tl.reduce(x, axis, _SUM_COMBINE)
 
 
 @triton.jit
 def row_max(x, axis: tl.constexpr):
-    return tl.reduce(x, axis, _maximum)
+    return tl.reduce(x, axis, _MAX_COMBINE)
 
 
 @triton.jit

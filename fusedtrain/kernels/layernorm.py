@@ -1,0 +1,183 @@
+"""LayerNorm family kernels: LayerNorm, residual-add + LayerNorm, LayerNorm -> GELU.
+
+Forward: each program normalises a tile of BLOCK_M rows x BLOCK_C (C padded to the next
+power of two and masked), statistics in fp32 (fp64 for fp64 data) whatever the input
+dtype; saves mean and rstd per row.
+Backward: a persistent grid of programs, each walking rows pid, pid + G, ... and keeping
+its dW / db partial sums in fp32 registers; the (G, C) partials are summed once at the
+end: no atomics on the hot path.
+GELU after the affine map is recomputed in backward from x and the saved statistics.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fusedtrain.kernels import INTERPRET
+from fusedtrain.kernels._common import APPROXIMATIONS, acc_dtype, gelu, gelu_grad, row_sum
+
+NO_GELU = -1
+MAX_C = 65536
+
+
+@triton.jit
+def _ln_fwd_kernel(
+    x_ptr, r_ptr, w_ptr, b_ptr, y_ptr, s_ptr, mean_ptr, rstd_ptr, M, C, eps,
+    s_x, s_r, s_y, s_s,
+    HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, GELU: tl.constexpr,
+    ACC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_C)
+    row_ok, col_ok = rows < M, cols < C
+    mask = row_ok[:, None] & col_ok[None, :]
+    r64 = rows.to(tl.int64)[:, None]
+    x = tl.load(x_ptr + r64 * s_x + cols[None, :], mask=mask, other=0.0).to(ACC)
+    if HAS_RES:  # s = x + residual is the new residual stream, written once
+        x += tl.load(r_ptr + r64 * s_r + cols[None, :], mask=mask, other=0.0).to(ACC)
+        tl.store(s_ptr + r64 * s_s + cols[None, :], x.to(s_ptr.dtype.element_ty), mask=mask)
+    mean = row_sum(x, 1) / C
+    xc = tl.where(mask, x - mean[:, None], 0.0)
+    rstd = 1.0 / tl.sqrt(row_sum(xc * xc, 1) / C + eps)
+    y = xc * rstd[:, None]
+    if HAS_W:
+        y = y * tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(ACC)[None, :]
+    if HAS_B:
+        y = y + tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(ACC)[None, :]
+    if GELU >= 0:
+        y = gelu(y, GELU)
+    tl.store(y_ptr + r64 * s_y + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(mean_ptr + rows, mean.to(mean_ptr.dtype.element_ty), mask=row_ok)
+    tl.store(rstd_ptr + rows, rstd.to(rstd_ptr.dtype.element_ty), mask=row_ok)
+
+
+@triton.jit
+def _ln_bwd_kernel(
+    dy_ptr, x_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, ds_ptr, dx_ptr, dw_part_ptr, db_part_ptr,
+    M, C, s_dy, s_x, s_ds, s_dx,
+    HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_DS: tl.constexpr, GELU: tl.constexpr,
+    ACC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    n_progs = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK_C)
+    col_ok = cols < C
+    w = tl.full((BLOCK_C,), 1.0, ACC)
+    if HAS_W:
+        w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(ACC)
+    b = tl.full((BLOCK_C,), 0.0, ACC)
+    if HAS_B:
+        b = tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(ACC)
+    dw_acc = tl.full((BLOCK_C,), 0.0, ACC)
+    db_acc = tl.full((BLOCK_C,), 0.0, ACC)
+    for start in range(pid * BLOCK_M, M, n_progs * BLOCK_M):
+        rows = start + tl.arange(0, BLOCK_M)
+        row_ok = rows < M
+        mask = row_ok[:, None] & col_ok[None, :]
+        r64 = rows.to(tl.int64)[:, None]
+        x = tl.load(x_ptr + r64 * s_x + cols[None, :], mask=mask, other=0.0).to(ACC)
+        dy = tl.load(dy_ptr + r64 * s_dy + cols[None, :], mask=mask, other=0.0).to(ACC)
+        mean = tl.load(mean_ptr + rows, mask=row_ok, other=0.0).to(ACC)
+        rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0).to(ACC)
+        xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+        if GELU >= 0:  # y = gelu(z), z = xhat * w + b: dz = dy * gelu'(z), z recomputed
+            dy = dy * gelu_grad(xhat * w[None, :] + b[None, :], GELU)
+        dw_acc += row_sum(dy * xhat, 0)
+        db_acc += row_sum(dy, 0)
+        wdy = tl.where(mask, dy * w[None, :], 0.0)
+        c1 = row_sum(xhat * wdy, 1) / C
+        c2 = row_sum(wdy, 1) / C
+        dx = (wdy - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
+        if HAS_DS:  # gradient reaching the residual-stream output s directly
+            dx += tl.load(ds_ptr + r64 * s_ds + cols[None, :], mask=mask, other=0.0).to(ACC)
+        tl.store(dx_ptr + r64 * s_dx + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+    tl.store(dw_part_ptr + pid * C + cols, dw_acc, mask=col_ok)
+    tl.store(db_part_ptr + pid * C + cols, db_acc, mask=col_ok)
+
+
+def _tile(C: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_C, num_warps): ~4K elements a tile on a GPU (more rows for small C);
+    far larger tiles under the interpreter, whose cost is per program."""
+    block_c = triton.next_power_of_2(C)
+    budget = 1 << 16 if INTERPRET else 4096
+    block_m = max(1, min(64, budget // block_c))
+    num_warps = min(16, max(4, block_c // 512))
+    return block_m, block_c, num_warps
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """(..., C) -> (M, C) with a unit column stride (a view where possible)."""
+    t = t.reshape(-1, t.shape[-1])
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _gelu_code(approximate: str | None) -> int:
+    return NO_GELU if approximate is None else APPROXIMATIONS[approximate]
+
+
+def layer_norm_fwd(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None,
+                   bias: torch.Tensor | None, eps: float, approximate: str | None,
+                   out_dtype: torch.dtype, stream_dtype: torch.dtype):
+    """x, residual: (..., C). Returns (y, s, mean, rstd): y = [gelu](LN(x [+ residual])) in
+    out_dtype, s = x + residual in stream_dtype (an empty tensor without residual), and the
+    per-row statistics (M,) in fp32 (fp64 for fp64 x)."""
+    C = x.shape[-1]
+    x2 = _rows(x)
+    M = x2.shape[0]
+    stat_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    y = torch.empty((M, C), device=x.device, dtype=out_dtype)
+    mean = torch.empty(M, device=x.device, dtype=stat_dtype)
+    rstd = torch.empty_like(mean)
+    r2 = _rows(residual) if residual is not None else x2
+    s = torch.empty((M, C) if residual is not None else (0, C), device=x.device,
+                    dtype=stream_dtype)
+    block_m, block_c, num_warps = _tile(C)
+    _ln_fwd_kernel[(triton.cdiv(M, block_m),)](
+        x2, r2, weight if weight is not None else x2, bias if bias is not None else x2,
+        y, s if residual is not None else y, mean, rstd, M, C, eps,
+        x2.stride(0), r2.stride(0), y.stride(0), s.stride(0) if residual is not None else 0,
+        HAS_RES=residual is not None, HAS_W=weight is not None, HAS_B=bias is not None,
+        GELU=_gelu_code(approximate), ACC=acc_dtype(x), BLOCK_M=block_m, BLOCK_C=block_c,
+        num_warps=num_warps,
+    )
+    return y.view(x.shape[:-1] + (C,)), s.view(x.shape[:-1] + (C,)) if residual is not None \
+        else s, mean, rstd
+
+
+def _num_programs(M: int, block_m: int, device: torch.device) -> int:
+    tiles = triton.cdiv(M, block_m)
+    if INTERPRET:
+        return min(tiles, 4)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return min(tiles, 4 * sms)
+
+
+def layer_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None,
+                   bias: torch.Tensor | None, mean: torch.Tensor, rstd: torch.Tensor,
+                   ds: torch.Tensor | None, approximate: str | None, dx_dtype: torch.dtype):
+    """Gradients of y = [gelu](LN(x)) w.r.t. x (plus ds, the gradient that reached the
+    residual stream output, if given), weight and bias. x is the normalised input (s for
+    add_layer_norm). Returns (dx, dw, db); dw / db are fp32 sums (None without weight/bias)."""
+    C = x.shape[-1]
+    x2, dy2 = _rows(x), _rows(dy)
+    ds2 = _rows(ds) if ds is not None else dy2
+    M = x2.shape[0]
+    dx = torch.empty((M, C), device=x.device, dtype=dx_dtype)
+    block_m, block_c, num_warps = _tile(C)
+    G = _num_programs(M, block_m, x.device)
+    part_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    dw_part = torch.empty((G, C), device=x.device, dtype=part_dtype)
+    db_part = torch.empty_like(dw_part)
+    _ln_bwd_kernel[(G,)](
+        dy2, x2, weight if weight is not None else x2, bias if bias is not None else x2,
+        mean, rstd, ds2, dx, dw_part, db_part, M, C,
+        dy2.stride(0), x2.stride(0), ds2.stride(0), dx.stride(0),
+        HAS_W=weight is not None, HAS_B=bias is not None, HAS_DS=ds is not None,
+        GELU=_gelu_code(approximate), ACC=acc_dtype(x), BLOCK_M=block_m, BLOCK_C=block_c,
+        num_warps=num_warps,
+    )
+    dw = dw_part.sum(0) if weight is not None else None
+    db = db_part.sum(0) if bias is not None else None
+    return dx.view(x.shape), dw, db

@@ -1,0 +1,163 @@
+"""Differentiable LayerNorm family: layer_norm, add_layer_norm, layer_norm_gelu.
+
+Under autocast the normalised output is written in the autocast dtype (the next op is a
+low-precision GEMM either way), statistics stay fp32, and x / residual / weight / bias
+may have different floating dtypes (each is upcast as it is loaded). Outside autocast
+they must share one dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fusedtrain import eager
+from fusedtrain.kernels import layernorm as K
+from fusedtrain.ops._validate import (
+    autocast_dtype, check_approximate, check_same, check_tensor,
+)
+
+Tensor = torch.Tensor
+
+
+
+@torch.library.custom_op("fusedtrain::layer_norm_fwd", mutates_args=())
+def _layer_norm_fwd(x: Tensor, residual: Tensor | None, weight: Tensor | None,
+                    bias: Tensor | None, eps: float, approximate: str, out_dtype: torch.dtype,
+                    stream_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return K.layer_norm_fwd(x, residual, weight, bias, eps, approximate or None, out_dtype,
+                            stream_dtype)
+
+
+@_layer_norm_fwd.register_fake
+def _(x, residual, weight, bias, eps, approximate, out_dtype, stream_dtype):
+    M = x.numel() // x.shape[-1]
+    stat = torch.float64 if x.dtype == torch.float64 else torch.float32
+    s_shape = x.shape if residual is not None else (0, x.shape[-1])
+    return (x.new_empty(x.shape, dtype=out_dtype), x.new_empty(s_shape, dtype=stream_dtype),
+            x.new_empty(M, dtype=stat), x.new_empty(M, dtype=stat))
+
+
+@torch.library.custom_op("fusedtrain::layer_norm_bwd", mutates_args=())
+def _layer_norm_bwd(dy: Tensor, x: Tensor, weight: Tensor | None, bias: Tensor | None,
+                    mean: Tensor, rstd: Tensor, ds: Tensor | None, approximate: str,
+                    dx_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    dx, dw, db = K.layer_norm_bwd(dy, x, weight, bias, mean, rstd, ds, approximate or None,
+                                  dx_dtype)
+    def empty():
+        return x.new_empty(0, dtype=mean.dtype)
+
+    return dx, empty() if dw is None else dw, empty() if db is None else db
+
+
+@_layer_norm_bwd.register_fake
+def _(dy, x, weight, bias, mean, rstd, ds, approximate, dx_dtype):
+    C = x.shape[-1]
+    return (x.new_empty(x.shape, dtype=dx_dtype),
+            x.new_empty(C if weight is not None else 0, dtype=mean.dtype),
+            x.new_empty(C if bias is not None else 0, dtype=mean.dtype))
+
+
+def _param_grads(dw: Tensor, db: Tensor, weight: Tensor | None, bias: Tensor | None):
+    return (None if weight is None else dw.to(weight.dtype),
+            None if bias is None else db.to(bias.dtype))
+
+
+class LayerNormFunction(torch.autograd.Function):
+    """y = [gelu](layer_norm(x)); saves x, mean and rstd only."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps: float, approximate: str, out_dtype: torch.dtype):
+        y, _, mean, rstd = torch.ops.fusedtrain.layer_norm_fwd(
+            x, None, weight, bias, eps, approximate, out_dtype, x.dtype)
+        ctx.save_for_backward(x, weight, bias, mean, rstd)
+        ctx.approximate = approximate
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, bias, mean, rstd = ctx.saved_tensors
+        dx, dw, db = torch.ops.fusedtrain.layer_norm_bwd(
+            dy, x, weight, bias, mean, rstd, None, ctx.approximate, x.dtype)
+        return (dx, *_param_grads(dw, db, weight, bias), None, None, None)
+
+
+class AddLayerNormFunction(torch.autograd.Function):
+    """(layer_norm(x + residual), x + residual) in one pass; saves s = x + residual."""
+
+    @staticmethod
+    def forward(ctx, x, residual, weight, bias, eps: float, out_dtype: torch.dtype):
+        stream_dtype = torch.promote_types(x.dtype, residual.dtype)
+        y, s, mean, rstd = torch.ops.fusedtrain.layer_norm_fwd(
+            x, residual, weight, bias, eps, "", out_dtype, stream_dtype)
+        ctx.save_for_backward(s, weight, bias, mean, rstd)
+        ctx.dtypes = (x.dtype, residual.dtype)
+        return y, s
+
+    @staticmethod
+    def backward(ctx, dy, ds):
+        s, weight, bias, mean, rstd = ctx.saved_tensors
+        dsum, dw, db = torch.ops.fusedtrain.layer_norm_bwd(
+            dy, s, weight, bias, mean, rstd, ds, "", s.dtype)
+        dx, dres = (dsum.to(dt) for dt in ctx.dtypes)
+        return (dx, dres, *_param_grads(dw, db, weight, bias), None, None)
+
+
+def _check(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float,
+           residual: Tensor | None = None) -> torch.dtype:
+    """Validate; return the output dtype (the autocast dtype under autocast)."""
+    check_tensor("x", x, min_ndim=1)
+    C = x.shape[-1]
+    if C > K.MAX_C:
+        raise ValueError(f"x's last dimension {C} exceeds the supported maximum {K.MAX_C}")
+    if not eps > 0:
+        raise ValueError(f"eps must be positive, got {eps}")
+    named = {"residual": residual, "weight": weight, "bias": bias}
+    for name, t in named.items():
+        if t is not None:
+            check_tensor(name, t)
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"residual has shape {tuple(residual.shape)} but x has "
+                         f"{tuple(x.shape)}")
+    for name in ("weight", "bias"):
+        t = named[name]
+        if t is not None and tuple(t.shape) != (C,):
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected ({C},)")
+    cast = autocast_dtype(x)
+    if cast is None:
+        check_same("x", x, **named)
+        return x.dtype
+    for name, t in named.items():
+        if t is not None and t.device != x.device:
+            raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
+    return cast
+
+
+def layer_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None,
+               eps: float = 1e-5) -> Tensor:
+    """x: (..., C), weight, bias: (C,) -> y: (..., C); statistics in fp32."""
+    out_dtype = _check(x, weight, bias, eps)
+    if x.numel() == 0:
+        return eager.layer_norm(x, weight, bias, eps).to(out_dtype)
+    return LayerNormFunction.apply(x, weight, bias, eps, "", out_dtype)
+
+
+def add_layer_norm(x: Tensor, residual: Tensor, weight: Tensor | None, bias: Tensor | None,
+                   eps: float = 1e-5) -> tuple[Tensor, Tensor]:
+    """s = x + residual; returns (layer_norm(s), s), computed in one pass.  x, residual: (..., C)."""
+    if residual is None:
+        raise ValueError("residual must be a tensor; use layer_norm without one")
+    out_dtype = _check(x, weight, bias, eps, residual)
+    if x.numel() == 0:
+        y, s = eager.add_layer_norm(x, residual, weight, bias, eps)
+        return y.to(out_dtype), s
+    return AddLayerNormFunction.apply(x, residual, weight, bias, eps, out_dtype)
+
+
+def layer_norm_gelu(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float = 1e-5,
+                    approximate: str = "none") -> Tensor:
+    """y = gelu(layer_norm(x)) written once; backward recomputes the normalised value."""
+    check_approximate(approximate)
+    out_dtype = _check(x, weight, bias, eps)
+    if x.numel() == 0:
+        return eager.layer_norm_gelu(x, weight, bias, eps, approximate).to(out_dtype)
+    return LayerNormFunction.apply(x, weight, bias, eps, approximate, out_dtype)
