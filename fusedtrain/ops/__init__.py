@@ -1,11 +1,12 @@
 """The public fused ops (see DESIGN.md): each a differentiable op over Triton kernels,
 with a twin of the same name and semantics in `fusedtrain.eager`."""
 
+from fusedtrain.ops.attention import flash_attention
 from fusedtrain.ops.layernorm import add_layer_norm, layer_norm, layer_norm_gelu
 from fusedtrain.ops.linear_gelu import fused_mlp, linear_gelu
 from fusedtrain.ops.qkv import qkv_projection
 
 __all__ = [
-    "add_layer_norm", "fused_mlp", "layer_norm", "layer_norm_gelu", "linear_gelu",
+    "add_layer_norm", "flash_attention", "fused_mlp", "layer_norm", "layer_norm_gelu", "linear_gelu",
     "qkv_projection",
 ]

@@ -1,0 +1,343 @@
+"""Flash attention (FlashAttention-2 style) forward and backward.
+
+Shapes: q, k, v, o: (B, H, T, D), any strides; D <= 128, padded to BLOCK_D (the next
+power of two, at least 16) with masked loads. Softmax runs in base 2 with the scale
+folded in (qk_scale = softmax_scale * log2(e)), in fp32 (fp64 for fp64 inputs).
+
+forward    one program per (query block, batch*head): online softmax over key blocks,
+           o = acc / l written once; saves lse2 = m + log2(l) per row (base-2 log-sum-exp).
+backward   delta = rowsum(dO * O), then two kernels, neither using atomics:
+           dk/dv: one program per key block, looping over query blocks;
+           dq:    one program per query block, looping over key blocks.
+Causal: blocks entirely above the diagonal are skipped; only blocks that straddle the
+diagonal or the sequence end run the masked loop body, the rest run unmasked.
+Fully masked rows (none occur in causal self-attention) produce zeros, not NaN.
+Block sizes: triton.autotune keyed on (T bucket, BLOCK_D, causal) and the dtypes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from fusedtrain.kernels._common import autotune, cdiv, dot_precision, row_max, row_sum
+
+LOG2E = 1.4426950408889634
+MAX_HEAD_DIM = 128
+
+
+def _configs(shapes: list[tuple[int, int, int, int]]) -> list[triton.Config]:
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
+            for m, n, w, s in shapes]
+
+
+FWD_CONFIGS = _configs([(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3),
+                        (128, 32, 4, 3), (64, 32, 4, 4)])
+BWD_KV_CONFIGS = _configs([(64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 4, 3), (32, 64, 4, 3),
+                           (64, 128, 4, 2)])
+BWD_Q_CONFIGS = _configs([(128, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3), (64, 32, 4, 3),
+                          (128, 64, 4, 2)])
+INTERPRET_CONFIG = triton.Config({"BLOCK_M": 64, "BLOCK_N": 64})
+
+
+@triton.jit
+def _load_rows(base, offs_t, offs_d, s_t, s_d, t_ok, d_ok):
+    """Tile [len(offs_t), BLOCK_D] of a (T, D) slice; rows past T and padded d read 0."""
+    ptrs = base + offs_t.to(tl.int64)[:, None] * s_t + offs_d[None, :] * s_d
+    return tl.load(ptrs, mask=t_ok[:, None] & d_ok[None, :], other=0.0)
+
+
+@triton.jit
+def _store_rows(base, val, offs_t, offs_d, s_t, s_d, t_ok, d_ok):
+    ptrs = base + offs_t.to(tl.int64)[:, None] * s_t + offs_d[None, :] * s_d
+    tl.store(ptrs, val.to(base.dtype.element_ty), mask=t_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _visible(offs_m, offs_n, T, CAUSAL: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] mask of (query, key) pairs that may attend."""
+    ok = (offs_m[:, None] < T) & (offs_n[None, :] < T)
+    if CAUSAL:
+        ok = ok & (offs_m[:, None] >= offs_n[None, :])
+    return ok
+
+
+@triton.jit
+def _slice_base(ptr, bh, H, s_b, s_h):
+    """Pointer to the (T, D) slice of batch*head index bh."""
+    return ptr + (bh // H).to(tl.int64) * s_b + (bh % H).to(tl.int64) * s_h
+
+
+@triton.jit
+def _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, offs_m, offs_d, d_ok, T, qk_scale,
+                s_kt, s_kd, s_vt, s_vd, blk_lo, blk_hi,
+                MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
+                ACC: tl.constexpr, PRECISION: tl.constexpr):
+    """Online-softmax accumulation over key blocks [blk_lo, blk_hi)."""
+    for blk in range(blk_lo, blk_hi):
+        offs_n = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < T
+        k = _load_rows(k_base, offs_n, offs_d, s_kt, s_kd, n_ok, d_ok)
+        v = _load_rows(v_base, offs_n, offs_d, s_vt, s_vd, n_ok, d_ok)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION, out_dtype=ACC) * qk_scale
+        if MASKED:
+            s = tl.where(_visible(offs_m, offs_n, T, CAUSAL), s, float("-inf"))
+        m_new = tl.maximum(m_i, row_max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all-masked rows stay finite
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + row_sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION,
+                                            out_dtype=ACC)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _key_block_ranges(start_m, T, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr):
+    """For query rows [start_m, start_m + BLOCK_M): key blocks [0, full) need no mask,
+    [full, last) do (diagonal or sequence end); later key blocks are skipped."""
+    if CAUSAL:
+        last = cdiv(tl.minimum(start_m + BLOCK_M, T), BLOCK_N)
+        full = tl.minimum(start_m // BLOCK_N, T // BLOCK_N)
+    else:
+        last = cdiv(T, BLOCK_N)
+        full = T // BLOCK_N
+    return full, last
+
+
+@autotune(FWD_CONFIGS, key=["T_BUCKET", "BLOCK_D", "CAUSAL"], interpret=INTERPRET_CONFIG)
+@triton.jit
+def _attn_fwd_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, qk_scale, H, T, D, T_BUCKET,
+    s_qb, s_qh, s_qt, s_qd, s_kb, s_kh, s_kt, s_kd, s_vb, s_vh, s_vt, s_vd,
+    s_ob, s_oh, s_ot, s_od,
+    CAUSAL: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1)
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_ok, d_ok = offs_m < T, offs_d < D
+    q = _load_rows(_slice_base(q_ptr, bh, H, s_qb, s_qh), offs_m, offs_d, s_qt, s_qd, m_ok, d_ok)
+    k_base = _slice_base(k_ptr, bh, H, s_kb, s_kh)
+    v_base = _slice_base(v_ptr, bh, H, s_vb, s_vh)
+    acc = tl.full((BLOCK_M, BLOCK_D), 0.0, ACC)
+    l_i = tl.full((BLOCK_M,), 0.0, ACC)
+    m_i = tl.full((BLOCK_M,), float("-inf"), ACC)
+    full, last = _key_block_ranges(start_m, T, CAUSAL, BLOCK_M, BLOCK_N)
+    acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, offs_m, offs_d, d_ok, T,
+                                qk_scale, s_kt, s_kd, s_vt, s_vd, 0, full,
+                                False, CAUSAL, BLOCK_N, ACC, PRECISION)
+    acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, offs_m, offs_d, d_ok, T,
+                                qk_scale, s_kt, s_kd, s_vt, s_vd, full, last,
+                                True, CAUSAL, BLOCK_N, ACC, PRECISION)
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    o_base = _slice_base(o_ptr, bh, H, s_ob, s_oh)
+    _store_rows(o_base, acc / l_safe[:, None], offs_m, offs_d, s_ot, s_od, m_ok, d_ok)
+    tl.store(lse_ptr + bh.to(tl.int64) * T + offs_m, m_i + tl.log2(l_safe), mask=m_ok)
+
+
+@triton.jit
+def _attn_bwd_delta_kernel(
+    o_ptr, do_ptr, delta_ptr, H, T, D,
+    s_ob, s_oh, s_ot, s_od, s_gb, s_gh, s_gt, s_gd,
+    ACC: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    bh = tl.program_id(1)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_ok, d_ok = offs_m < T, offs_d < D
+    o = _load_rows(_slice_base(o_ptr, bh, H, s_ob, s_oh), offs_m, offs_d, s_ot, s_od, m_ok, d_ok)
+    do = _load_rows(_slice_base(do_ptr, bh, H, s_gb, s_gh), offs_m, offs_d, s_gt, s_gd, m_ok,
+                    d_ok)
+    delta = row_sum(o.to(ACC) * do.to(ACC), 1)
+    tl.store(delta_ptr + bh.to(tl.int64) * T + offs_m, delta, mask=m_ok)
+
+
+@triton.jit
+def _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, offs_n, offs_d, d_ok, T,
+                 qk_scale, s_qt, s_qd, s_gt, s_gd, blk_lo, blk_hi,
+                 MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
+                 ACC: tl.constexpr, PRECISION: tl.constexpr):
+    """Accumulate dK, dV of one key block over query blocks [blk_lo, blk_hi); works on
+    transposed scores sT = k q^T so that dv += pT @ dO and dk += dsT @ q need no transposes
+    of the accumulators."""
+    for blk in range(blk_lo, blk_hi):
+        offs_m = blk * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_ok = offs_m < T
+        q = _load_rows(q_base, offs_m, offs_d, s_qt, s_qd, m_ok, d_ok)
+        do = _load_rows(do_base, offs_m, offs_d, s_gt, s_gd, m_ok, d_ok)
+        lse = tl.load(lse_base + offs_m, mask=m_ok, other=0.0)
+        delta = tl.load(delta_base + offs_m, mask=m_ok, other=0.0)
+        sT = tl.dot(k, tl.trans(q), input_precision=PRECISION, out_dtype=ACC) * qk_scale
+        pT = tl.exp2(sT - lse[None, :])
+        if MASKED:
+            pT = tl.where(tl.trans(_visible(offs_m, offs_n, T, CAUSAL)), pT, 0.0)
+        dv += tl.dot(pT.to(do.dtype), do, input_precision=PRECISION, out_dtype=ACC)
+        dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION, out_dtype=ACC)
+        dsT = pT * (dpT - delta[None, :])
+        dk += tl.dot(dsT.to(q.dtype), q, input_precision=PRECISION, out_dtype=ACC)
+    return dk, dv
+
+
+@triton.jit
+def _query_block_ranges(start_n, n_q_blocks, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr):
+    """For key rows [start_n, start_n + BLOCK_N): query blocks before `first` cannot see
+    them (causal); [first, diag) straddle the diagonal."""
+    if CAUSAL:
+        first = start_n // BLOCK_M
+        diag = tl.minimum(cdiv(start_n + BLOCK_N, BLOCK_M), n_q_blocks)
+    else:
+        first = 0
+        diag = 0
+    return first, diag
+
+
+@autotune(BWD_KV_CONFIGS, key=["T_BUCKET", "BLOCK_D", "CAUSAL"], interpret=INTERPRET_CONFIG)
+@triton.jit
+def _attn_bwd_dkdv_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+    qk_scale, sm_scale, H, T, D, T_BUCKET,
+    s_qb, s_qh, s_qt, s_qd, s_kb, s_kh, s_kt, s_kd, s_vb, s_vh, s_vt, s_vd,
+    s_gb, s_gh, s_gt, s_gd, s_db, s_dh, s_dt, s_dd,
+    CAUSAL: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    start_n = tl.program_id(0) * BLOCK_N
+    bh = tl.program_id(1)
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    n_ok, d_ok = offs_n < T, offs_d < D
+    k = _load_rows(_slice_base(k_ptr, bh, H, s_kb, s_kh), offs_n, offs_d, s_kt, s_kd, n_ok, d_ok)
+    v = _load_rows(_slice_base(v_ptr, bh, H, s_vb, s_vh), offs_n, offs_d, s_vt, s_vd, n_ok, d_ok)
+    q_base = _slice_base(q_ptr, bh, H, s_qb, s_qh)
+    do_base = _slice_base(do_ptr, bh, H, s_gb, s_gh)
+    lse_base = lse_ptr + bh.to(tl.int64) * T
+    delta_base = delta_ptr + bh.to(tl.int64) * T
+    dk = tl.full((BLOCK_N, BLOCK_D), 0.0, ACC)
+    dv = tl.full((BLOCK_N, BLOCK_D), 0.0, ACC)
+    # Query blocks: [first, diag) straddle the diagonal (masked), [diag, full) are clear,
+    # [full, last) hold the sequence end (masked).
+    n_q_blocks = cdiv(T, BLOCK_M)
+    first, diag = _query_block_ranges(start_n, n_q_blocks, CAUSAL, BLOCK_M, BLOCK_N)
+    full = tl.maximum(diag, T // BLOCK_M)
+    dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, offs_n, offs_d,
+                          d_ok, T, qk_scale, s_qt, s_qd, s_gt, s_gd, first, diag,
+                          True, CAUSAL, BLOCK_M, ACC, PRECISION)
+    dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, offs_n, offs_d,
+                          d_ok, T, qk_scale, s_qt, s_qd, s_gt, s_gd, diag, full,
+                          False, CAUSAL, BLOCK_M, ACC, PRECISION)
+    dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, offs_n, offs_d,
+                          d_ok, T, qk_scale, s_qt, s_qd, s_gt, s_gd, full, n_q_blocks,
+                          True, CAUSAL, BLOCK_M, ACC, PRECISION)
+    _store_rows(_slice_base(dk_ptr, bh, H, s_db, s_dh), dk * sm_scale, offs_n, offs_d, s_dt,
+                s_dd, n_ok, d_ok)
+    _store_rows(_slice_base(dv_ptr, bh, H, s_db, s_dh), dv, offs_n, offs_d, s_dt, s_dd, n_ok,
+                d_ok)
+
+
+@triton.jit
+def _dq_blocks(dq, q, do, lse, delta, k_base, v_base, offs_m, offs_d, d_ok, T, qk_scale,
+               s_kt, s_kd, s_vt, s_vd, blk_lo, blk_hi,
+               MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
+               ACC: tl.constexpr, PRECISION: tl.constexpr):
+    for blk in range(blk_lo, blk_hi):
+        offs_n = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < T
+        k = _load_rows(k_base, offs_n, offs_d, s_kt, s_kd, n_ok, d_ok)
+        v = _load_rows(v_base, offs_n, offs_d, s_vt, s_vd, n_ok, d_ok)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION, out_dtype=ACC) * qk_scale
+        p = tl.exp2(s - lse[:, None])
+        if MASKED:
+            p = tl.where(_visible(offs_m, offs_n, T, CAUSAL), p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION, out_dtype=ACC)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION, out_dtype=ACC)
+    return dq
+
+
+@autotune(BWD_Q_CONFIGS, key=["T_BUCKET", "BLOCK_D", "CAUSAL"], interpret=INTERPRET_CONFIG)
+@triton.jit
+def _attn_bwd_dq_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
+    qk_scale, sm_scale, H, T, D, T_BUCKET,
+    s_qb, s_qh, s_qt, s_qd, s_kb, s_kh, s_kt, s_kd, s_vb, s_vh, s_vt, s_vd,
+    s_gb, s_gh, s_gt, s_gd, s_db, s_dh, s_dt, s_dd,
+    CAUSAL: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1)
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_ok, d_ok = offs_m < T, offs_d < D
+    q = _load_rows(_slice_base(q_ptr, bh, H, s_qb, s_qh), offs_m, offs_d, s_qt, s_qd, m_ok, d_ok)
+    do = _load_rows(_slice_base(do_ptr, bh, H, s_gb, s_gh), offs_m, offs_d, s_gt, s_gd, m_ok,
+                    d_ok)
+    lse = tl.load(lse_ptr + bh.to(tl.int64) * T + offs_m, mask=m_ok, other=0.0)
+    delta = tl.load(delta_ptr + bh.to(tl.int64) * T + offs_m, mask=m_ok, other=0.0)
+    k_base = _slice_base(k_ptr, bh, H, s_kb, s_kh)
+    v_base = _slice_base(v_ptr, bh, H, s_vb, s_vh)
+    dq = tl.full((BLOCK_M, BLOCK_D), 0.0, ACC)
+    full, last = _key_block_ranges(start_m, T, CAUSAL, BLOCK_M, BLOCK_N)
+    dq = _dq_blocks(dq, q, do, lse, delta, k_base, v_base, offs_m, offs_d, d_ok, T, qk_scale,
+                    s_kt, s_kd, s_vt, s_vd, 0, full, False, CAUSAL, BLOCK_N, ACC, PRECISION)
+    dq = _dq_blocks(dq, q, do, lse, delta, k_base, v_base, offs_m, offs_d, d_ok, T, qk_scale,
+                    s_kt, s_kd, s_vt, s_vd, full, last, True, CAUSAL, BLOCK_N, ACC, PRECISION)
+    _store_rows(_slice_base(dq_ptr, bh, H, s_db, s_dh), dq * sm_scale, offs_m, offs_d, s_dt,
+                s_dd, m_ok, d_ok)
+
+
+def _common_args(q: torch.Tensor, softmax_scale: float):
+    B, H, T, D = q.shape
+    block_d = max(16, triton.next_power_of_2(D))
+    acc = tl.float64 if q.dtype == torch.float64 else tl.float32
+    return B, H, T, D, block_d, acc, softmax_scale * LOG2E
+
+
+def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                  softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """q, k, v: (B, H, T, D) -> o: (B, H, T, D) contiguous, lse2: (B, H, T) fp32 (fp64)."""
+    B, H, T, D, block_d, acc, qk_scale = _common_args(q, softmax_scale)
+    o = torch.empty((B, H, T, D), device=q.device, dtype=q.dtype)
+    lse = torch.empty((B, H, T), device=q.device,
+                      dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
+    grid = lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * H)  # noqa: E731
+    _attn_fwd_kernel[grid](
+        q, k, v, o, lse, qk_scale, H, T, D, triton.next_power_of_2(T),
+        *q.stride(), *k.stride(), *v.stride(), *o.stride(),
+        CAUSAL=causal, ACC=acc, PRECISION=dot_precision(q), BLOCK_D=block_d,
+    )
+    return o, lse
+
+
+def attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  o: torch.Tensor, lse: torch.Tensor, causal: bool, softmax_scale: float):
+    """Gradients (dq, dk, dv), each (B, H, T, D) contiguous."""
+    B, H, T, D, block_d, acc, qk_scale = _common_args(q, softmax_scale)
+    delta = torch.empty_like(lse)
+    block = 64
+    _attn_bwd_delta_kernel[(triton.cdiv(T, block), B * H)](
+        o, do, delta, H, T, D, *o.stride(), *do.stride(), ACC=acc, BLOCK_D=block_d,
+        BLOCK_M=block,
+    )
+    dq, dk, dv = (torch.empty((B, H, T, D), device=q.device, dtype=q.dtype) for _ in range(3))
+    args = (qk_scale, softmax_scale, H, T, D, triton.next_power_of_2(T),
+            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride())
+    meta = dict(CAUSAL=causal, ACC=acc, PRECISION=dot_precision(q), BLOCK_D=block_d)
+    _attn_bwd_dkdv_kernel[lambda m: (triton.cdiv(T, m["BLOCK_N"]), B * H)](
+        q, k, v, do, lse, delta, dk, dv, *args, **meta)
+    _attn_bwd_dq_kernel[lambda m: (triton.cdiv(T, m["BLOCK_M"]), B * H)](
+        q, k, v, do, lse, delta, dq, *args, **meta)
+    return dq, dk, dv
+
+
+def default_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)

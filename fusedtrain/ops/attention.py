@@ -1,0 +1,94 @@
+"""Differentiable flash attention: q, k, v (B, H, T, D) -> o (B, H, T, D)."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.flop_counter import register_flop_formula
+
+from fusedtrain.kernels import attention as K
+from fusedtrain.ops._validate import autocast_cast, check_same, check_tensor
+
+Tensor = torch.Tensor
+
+
+@torch.library.custom_op("fusedtrain::attention_fwd", mutates_args=())
+def _attention_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool,
+                   softmax_scale: float) -> tuple[Tensor, Tensor]:
+    return K.attention_fwd(q, k, v, causal, softmax_scale)
+
+
+@_attention_fwd.register_fake
+def _(q, k, v, causal, softmax_scale):
+    stat = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=stat)
+
+
+@torch.library.custom_op("fusedtrain::attention_bwd", mutates_args=())
+def _attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
+                   causal: bool, softmax_scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    return K.attention_bwd(do, q, k, v, o, lse, causal, softmax_scale)
+
+
+@_attention_bwd.register_fake
+def _(do, q, k, v, o, lse, causal, softmax_scale):
+    return q.new_empty(q.shape), q.new_empty(q.shape), q.new_empty(q.shape)
+
+
+def _attention_flops(q_shape, causal: bool, matmuls: int) -> int:
+    B, H, T, D = q_shape
+    flops = matmuls * 2 * B * H * T * T * D
+    return flops // 2 if causal else flops  # causal: only the lower triangle is computed
+
+
+@register_flop_formula(torch.ops.fusedtrain.attention_fwd)
+def _(q_shape, k_shape, v_shape, causal, *args, **kwargs) -> int:
+    return _attention_flops(q_shape, causal, matmuls=2)
+
+
+@register_flop_formula(torch.ops.fusedtrain.attention_bwd)
+def _(do_shape, q_shape, k_shape, v_shape, o_shape, lse_shape, causal, *args, **kwargs) -> int:
+    return _attention_flops(q_shape, causal, matmuls=5)  # s recomputed, dv, dp, dq, dk
+
+
+class FlashAttentionFunction(torch.autograd.Function):
+    """Saves q, k, v, o and the fp32 row log-sum-exp; never the (T, T) matrix."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: float):
+        o, lse = torch.ops.fusedtrain.attention_fwd(q, k, v, causal, softmax_scale)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.causal, ctx.softmax_scale = causal, softmax_scale
+        return o
+
+    @staticmethod
+    def backward(ctx, do: Tensor):
+        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv = torch.ops.fusedtrain.attention_bwd(
+            do, q, k, v, o, lse, ctx.causal, ctx.softmax_scale)
+        return dq, dk, dv, None, None
+
+
+def flash_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True,
+                    softmax_scale: float | None = None) -> Tensor:
+    """softmax(q k^T * scale [+ causal mask]) v without the (T, T) matrix in memory.
+
+    q, k, v: (B, H, T, D), D <= 128, any strides -> o: (B, H, T, D).
+    softmax_scale defaults to 1 / sqrt(D).
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(name, t, ndim=4)
+    if k.shape != q.shape or v.shape != q.shape:
+        raise ValueError(f"q, k, v must have the same shape (B, H, T, D); got q "
+                         f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    D = q.shape[-1]
+    if not 1 <= D <= K.MAX_HEAD_DIM:
+        raise ValueError(f"head dim D={D} is not supported: the kernel takes 1 <= D <= "
+                         f"{K.MAX_HEAD_DIM}")
+    scale = K.default_scale(D) if softmax_scale is None else float(softmax_scale)
+    if not scale > 0:
+        raise ValueError(f"softmax_scale must be positive, got {softmax_scale}")
+    q, k, v = autocast_cast(q, k, v)
+    check_same("q", q, k=k, v=v)
+    if q.numel() == 0:
+        return torch.empty_like(q)
+    return FlashAttentionFunction.apply(q, k, v, bool(causal), scale)
