@@ -27,6 +27,14 @@ TANH_COEF: tl.constexpr = 0.044715
 APPROXIMATIONS = {"none": 0, "tanh": 1}
 
 
+def device_fn(fn):
+    """@triton.jit for helpers called from kernels. Under the interpreter the helper
+    becomes its rewritten Python function: the interpreter would otherwise re-patch
+    triton.language on every helper call, which dominates its run time."""
+    jitted = triton.jit(fn)
+    return jitted.rewrite() if INTERPRET else jitted
+
+
 @triton.jit
 def _add(a, b):
     return a + b
@@ -43,27 +51,27 @@ _SUM_COMBINE: tl.constexpr = getattr(tl.standard, "_sum_combine", _add)
 _MAX_COMBINE: tl.constexpr = getattr(tl.standard, "_elementwise_max", _maximum)
 
 
-@triton.jit
+@device_fn
 def row_sum(x, axis: tl.constexpr):
     return tl.reduce(x, axis, _SUM_COMBINE)
 
 
-@triton.jit
+@device_fn
 def row_max(x, axis: tl.constexpr):
     return tl.reduce(x, axis, _MAX_COMBINE)
 
 
-@triton.jit
+@device_fn
 def sigmoid(x):
     return 1.0 / (1.0 + tl.exp(-x))
 
 
-@triton.jit
+@device_fn
 def cdiv(a, b):
     return (a + b - 1) // b
 
 
-@triton.jit
+@device_fn
 def gelu(h, APPROX: tl.constexpr):
     """GELU of h (fp32 or fp64). APPROX=0: exact erf form; 1: tanh form, computed as
     h * sigmoid(2z) with z = sqrt(2/pi) (h + 0.044715 h^3), since 0.5 (1 + tanh z) = sigmoid(2z)."""
@@ -74,7 +82,7 @@ def gelu(h, APPROX: tl.constexpr):
         return 0.5 * h * (1.0 + tl.erf(h * INV_SQRT2))
 
 
-@triton.jit
+@device_fn
 def gelu_grad(h, APPROX: tl.constexpr):
     """d gelu(h) / dh, recomputed from the pre-activation h."""
     if APPROX:
@@ -87,7 +95,7 @@ def gelu_grad(h, APPROX: tl.constexpr):
         return cdf + h * INV_SQRT_2PI * tl.exp(-0.5 * h * h)
 
 
-@triton.jit
+@device_fn
 def matmul_acc(acc, a_ptr, b_ptr, a_rows, b_cols, rows_ok, cols_ok,
                K_OUTER, K_INNER, s_a_outer, s_a_inner, s_b_outer, s_b_inner,
                BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
@@ -148,7 +156,7 @@ def autotune(configs: list[triton.Config], key: list[str], interpret: triton.Con
     return triton.autotune(configs=configs, key=key, **kwargs)
 
 
-@triton.jit
+@device_fn
 def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     """Map a 1-D program id to an output tile (pid_m, pid_n), walking GROUP_M row
     tiles down each column before moving right, so concurrently running programs
@@ -173,10 +181,10 @@ def gemm_configs() -> list[triton.Config]:
                           num_stages=s, num_warps=w) for m, n, k, s, w in shapes]
 
 
-INTERPRET_GEMM = triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8})
+INTERPRET_GEMM = triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8})
 
 
-@triton.jit
+@device_fn
 def pick3(i, p0, p1, p2):
     """p0, p1 or p2 by a run-time index i in {0, 1, 2} (e.g. q, k or v)."""
     return tl.where(i == 0, p0, tl.where(i == 1, p1, p2))

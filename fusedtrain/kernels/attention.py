@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fusedtrain.kernels._common import autotune, cdiv, dot_precision, row_max, row_sum
+from fusedtrain.kernels._common import autotune, cdiv, device_fn, dot_precision, row_max, row_sum
 
 LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 128
@@ -40,23 +40,23 @@ BWD_KV_CONFIGS = _configs([(64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 4, 3), (32
                            (64, 128, 4, 2)])
 BWD_Q_CONFIGS = _configs([(128, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3), (64, 32, 4, 3),
                           (128, 64, 4, 2)])
-INTERPRET_CONFIG = triton.Config({"BLOCK_M": 64, "BLOCK_N": 64})
+INTERPRET_CONFIG = triton.Config({"BLOCK_M": 128, "BLOCK_N": 128})
 
 
-@triton.jit
+@device_fn
 def _load_rows(base, offs_t, offs_d, s_t, s_d, t_ok, d_ok):
     """Tile [len(offs_t), BLOCK_D] of a (T, D) slice; rows past T and padded d read 0."""
     ptrs = base + offs_t.to(tl.int64)[:, None] * s_t + offs_d[None, :] * s_d
     return tl.load(ptrs, mask=t_ok[:, None] & d_ok[None, :], other=0.0)
 
 
-@triton.jit
+@device_fn
 def _store_rows(base, val, offs_t, offs_d, s_t, s_d, t_ok, d_ok):
     ptrs = base + offs_t.to(tl.int64)[:, None] * s_t + offs_d[None, :] * s_d
     tl.store(ptrs, val.to(base.dtype.element_ty), mask=t_ok[:, None] & d_ok[None, :])
 
 
-@triton.jit
+@device_fn
 def _visible(offs_m, offs_n, T, CAUSAL: tl.constexpr):
     """[BLOCK_M, BLOCK_N] mask of (query, key) pairs that may attend."""
     ok = (offs_m[:, None] < T) & (offs_n[None, :] < T)
@@ -65,13 +65,13 @@ def _visible(offs_m, offs_n, T, CAUSAL: tl.constexpr):
     return ok
 
 
-@triton.jit
+@device_fn
 def _slice_base(ptr, bh, H, s_b, s_h):
     """Pointer to the (T, D) slice of batch*head index bh."""
     return ptr + (bh // H).to(tl.int64) * s_b + (bh % H).to(tl.int64) * s_h
 
 
-@triton.jit
+@device_fn
 def _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, offs_m, offs_d, d_ok, T, qk_scale,
                 s_kt, s_kd, s_vt, s_vd, blk_lo, blk_hi,
                 MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -96,7 +96,7 @@ def _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, offs_m, offs_d, d_ok, T, qk_sc
     return acc, l_i, m_i
 
 
-@triton.jit
+@device_fn
 def _key_block_ranges(start_m, T, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr):
     """For query rows [start_m, start_m + BLOCK_M): key blocks [0, full) need no mask,
@@ -160,7 +160,7 @@ def _attn_bwd_delta_kernel(
     tl.store(delta_ptr + bh.to(tl.int64) * T + offs_m, delta, mask=m_ok)
 
 
-@triton.jit
+@device_fn
 def _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, offs_n, offs_d, d_ok, T,
                  qk_scale, s_qt, s_qd, s_gt, s_gd, blk_lo, blk_hi,
                  MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -186,7 +186,7 @@ def _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, offs_n, of
     return dk, dv
 
 
-@triton.jit
+@device_fn
 def _query_block_ranges(start_n, n_q_blocks, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr):
     """For key rows [start_n, start_n + BLOCK_N): query blocks before `first` cannot see
@@ -243,7 +243,7 @@ def _attn_bwd_dkdv_kernel(
                 d_ok)
 
 
-@triton.jit
+@device_fn
 def _dq_blocks(dq, q, do, lse, delta, k_base, v_base, offs_m, offs_d, d_ok, T, qk_scale,
                s_kt, s_kd, s_vt, s_vd, blk_lo, blk_hi,
                MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,

@@ -1,0 +1,160 @@
+import pytest
+import torch
+from conftest import assert_within_eager_error, grads_of
+from torch.autograd import gradcheck
+
+from fusedtrain import eager, ops
+
+F64 = torch.float64
+
+
+def _mlp_inputs(M, C, Hd, dtype=F64, bias=True, lead=()):
+    x = torch.randn(*lead, M, C, dtype=dtype, requires_grad=True)
+    w1 = (torch.randn(Hd, C, dtype=dtype) / C ** 0.5).requires_grad_()
+    b1 = torch.randn(Hd, dtype=dtype, requires_grad=True) if bias else None
+    w2 = (torch.randn(C, Hd, dtype=dtype) / Hd ** 0.5).requires_grad_()
+    b2 = torch.randn(C, dtype=dtype, requires_grad=True) if bias else None
+    return x, w1, b1, w2, b2
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("lead", [(), (2,)])
+def test_gradcheck_linear_gelu(approximate, bias, lead):
+    x, w, b, _, _ = _mlp_inputs(5, 7, 9, bias=bias, lead=lead)
+    assert gradcheck(lambda *a: ops.linear_gelu(*a, approximate=approximate), (x, w, b),
+                     fast_mode=True)
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("lead", [(), (3,)])
+def test_gradcheck_fused_mlp(approximate, bias, lead):
+    inputs = _mlp_inputs(5, 7, 9, bias=bias, lead=lead)
+    assert gradcheck(lambda *a: ops.fused_mlp(*a, approximate=approximate), inputs,
+                     fast_mode=True)
+
+
+def test_strided_input():
+    base = torch.randn(9, 14, dtype=F64)
+    x = base[:, ::2]  # non-contiguous (..., K)
+    w, b = torch.randn(5, 7, dtype=F64), torch.randn(5, dtype=F64)
+    torch.testing.assert_close(ops.linear_gelu(x, w, b), eager.linear_gelu(x, w, b))
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
+@pytest.mark.parametrize("M,K,N", [(113, 72, 130), (1151, 40, 24)])
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_linear_gelu_accuracy(dtype, atol, M, K, N, approximate):
+    x = torch.randn(M, K)
+    w, b = torch.randn(N, K) / K ** 0.5, torch.randn(N)
+    inputs = [t.to(dtype).requires_grad_() for t in (x, w, b)]
+    ref_in = [t.detach().double().requires_grad_() for t in inputs]
+    (ref,), ref_g, g = grads_of(lambda *a: eager.linear_gelu(*a, approximate), ref_in)
+    (fz,), fz_g, _ = grads_of(lambda *a: ops.linear_gelu(*a, approximate), inputs, g)
+    (ez,), ez_g, _ = grads_of(lambda *a: eager.linear_gelu(*a, approximate), inputs, g)
+    assert_within_eager_error(fz, ez, ref, atol, "y")
+    for name, a, e, r in zip("x w b".split(), fz_g, ez_g, ref_g):
+        assert_within_eager_error(a, e, r, atol * 10, f"d{name}")
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
+def test_fused_mlp_accuracy(dtype, atol):
+    inputs = [t.detach().to(dtype).requires_grad_() for t in _mlp_inputs(113, 72, 130)]
+    ref_in = [t.detach().double().requires_grad_() for t in inputs]
+    (ref,), ref_g, g = grads_of(lambda *a: eager.fused_mlp(*a, "tanh"), ref_in)
+    (fz,), fz_g, _ = grads_of(lambda *a: ops.fused_mlp(*a, "tanh"), inputs, g)
+    (ez,), ez_g, _ = grads_of(lambda *a: eager.fused_mlp(*a, "tanh"), inputs, g)
+    assert_within_eager_error(fz, ez, ref, atol, "y")
+    for name, a, e, r in zip(["x", "w1", "b1", "w2", "b2"], fz_g, ez_g, ref_g):
+        assert_within_eager_error(a, e, r, atol * 10, f"d{name}")
+
+
+def _saved_activation_bytes(fn, inputs, params):
+    """Bytes autograd saves for backward, parameters (and views of them) left out."""
+    param_ptrs = {p.untyped_storage().data_ptr() for p in params}
+    saved = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in param_ptrs:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(*inputs)
+    return sum(saved.values())
+
+
+def test_fused_mlp_saves_only_x_and_h():
+    M, C, Hd = 64, 16, 64
+    x, w1, b1, w2, b2 = _mlp_inputs(M, C, Hd, dtype=torch.float32)
+    params = [w1, b1, w2, b2]
+    fused = _saved_activation_bytes(ops.fused_mlp, (x, w1, b1, w2, b2), params)
+    eager_b = _saved_activation_bytes(eager.fused_mlp, (x, w1, b1, w2, b2), params)
+    x_bytes, h_bytes = M * C * 4, M * Hd * 4
+    assert fused == x_bytes + h_bytes
+    assert eager_b == x_bytes + 2 * h_bytes  # x, h and gelu(h)
+
+
+def test_compile_fullgraph_matches_eager():
+    mlp = lambda *a: ops.fused_mlp(*a, approximate="tanh")  # noqa: E731
+    compiled = torch.compile(mlp, fullgraph=True, backend="aot_eager")
+    inputs = [t.detach().float().requires_grad_() for t in _mlp_inputs(13, 8, 32)]
+    (yc,), gc, g = grads_of(compiled, inputs)
+    (ye,), ge, _ = grads_of(lambda *a: eager.fused_mlp(*a, "tanh"), inputs, g)
+    torch.testing.assert_close(yc, ye, rtol=1e-4, atol=1e-5)
+    for a, b in zip(gc, ge):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_flop_counter_counts_the_fused_gemms():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    x, w, b, _, _ = _mlp_inputs(16, 8, 24, dtype=torch.float32)
+    with FlopCounterMode(display=False) as counter:
+        ops.linear_gelu(x, w, b)
+    assert counter.get_total_flops() == 2 * 16 * 8 * 24
+
+
+def test_bad_inputs():
+    x, w, b = torch.randn(4, 8), torch.randn(6, 8), torch.randn(6)
+    with pytest.raises(ValueError, match="weight"):
+        ops.linear_gelu(x, torch.randn(6, 7), b)
+    with pytest.raises(TypeError, match="weight"):
+        ops.linear_gelu(x, w.double(), b)
+    with pytest.raises(TypeError, match="x"):
+        ops.linear_gelu(x.int(), w, b)
+    with pytest.raises(ValueError, match="approximate"):
+        ops.linear_gelu(x, w, b, approximate="fast")
+    with pytest.raises(ValueError, match="bias"):
+        ops.linear_gelu(x, w, torch.randn(5))
+    with pytest.raises(ValueError, match="proj_weight"):
+        ops.fused_mlp(x, w, b, torch.randn(8, 5), None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,K,N", [(16384, 768, 3072), (4096, 1024, 4096)])
+def test_gpu_bf16_accuracy_and_memory(M, K, N):
+    dev = "cuda"
+    x = torch.randn(M, K, device=dev)
+    w1, b1 = torch.randn(N, K, device=dev) / K ** 0.5, torch.randn(N, device=dev)
+    w2, b2 = torch.randn(K, N, device=dev) / N ** 0.5, torch.randn(K, device=dev)
+    inputs = [t.bfloat16().requires_grad_() for t in (x, w1, b1, w2, b2)]
+    ref_in = [t.detach().double().requires_grad_() for t in inputs]
+    (ref,), ref_g, g = grads_of(lambda *a: eager.fused_mlp(*a, "tanh"), ref_in)
+    (fz,), fz_g, _ = grads_of(lambda *a: ops.fused_mlp(*a, "tanh"), inputs, g)
+    (ez,), ez_g, _ = grads_of(lambda *a: eager.fused_mlp(*a, "tanh"), inputs, g)
+    assert_within_eager_error(fz, ez, ref, 1e-2, "y")
+    for name, a, e, r in zip(["x", "w1", "b1", "w2", "b2"], fz_g, ez_g, ref_g):
+        assert_within_eager_error(a, e, r, 1e-2, f"d{name}")
+    # Peak memory of forward + backward: fused below eager by at least one (M x N) tensor.
+    peaks = {}
+    for name, fn in (("eager", eager.fused_mlp), ("fused", ops.fused_mlp)):
+        leaves = [t.detach().requires_grad_() for t in inputs]
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        fn(*leaves, "tanh").backward(g[0].bfloat16())
+        torch.cuda.synchronize()
+        peaks[name] = torch.cuda.max_memory_allocated() - base
+    assert peaks["fused"] <= peaks["eager"] - M * N * 2, peaks
