@@ -1,0 +1,96 @@
+import pytest
+import torch
+from conftest import assert_within_eager_error, grads_of
+from torch.autograd import gradcheck
+
+from fusedtrain import eager, ops
+
+F64 = torch.float64
+
+
+def _qkv(B, H, T, D, dtype=F64, scale=1.0):
+    return [(torch.randn(B, H, T, D, dtype=dtype) * scale).requires_grad_() for _ in range(3)]
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_gradcheck(causal):
+    assert gradcheck(lambda *a: ops.flash_attention(*a, causal=causal), _qkv(2, 2, 13, 16),
+                     fast_mode=True)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("T,D", [(1, 16), (13, 32), (113, 80), (203, 64), (1023, 128)])
+def test_fp32_accuracy(T, D, causal):
+    B, H = (1, 1) if T > 500 else (2, 2)
+    q, k, v = (t.detach().float().requires_grad_() for t in _qkv(B, H, T, D))
+    ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    (ref,), ref_g, g = grads_of(lambda *a: eager.flash_attention(*a, causal), ref_in)
+    (fz,), fz_g, _ = grads_of(lambda *a: ops.flash_attention(*a, causal), (q, k, v), g)
+    (ez,), ez_g, _ = grads_of(lambda *a: eager.flash_attention(*a, causal), (q, k, v), g)
+    assert_within_eager_error(fz, ez, ref, 1e-5, "o")
+    for name, f, e, r in zip("qkv", fz_g, ez_g, ref_g):
+        assert_within_eager_error(f, e, r, 1e-5, f"d{name}")
+
+
+def test_large_logits_stay_finite():
+    q, k, v = (t.detach().float() for t in _qkv(1, 2, 77, 32))
+    q, k = q * 30 ** 0.5, k * 30 ** 0.5  # logits 30x the usual scale
+    out = ops.flash_attention(q, k, v, causal=True)
+    ref = eager.flash_attention(q.double(), k.double(), v.double(), causal=True)
+    assert_within_eager_error(out, eager.flash_attention(q, k, v, causal=True), ref, 1e-5, "o")
+
+
+def test_strided_inputs():
+    base = torch.randn(2, 19, 3, 3, 16, dtype=F64)  # (B, T, 3, H, D), as a packed projection
+    q, k, v = (base[:, :, i].transpose(1, 2) for i in range(3))  # (B, H, T, D) views
+    torch.testing.assert_close(ops.flash_attention(q, k, v), eager.flash_attention(q, k, v))
+
+
+def test_softmax_scale():
+    q, k, v = (t.detach() for t in _qkv(1, 1, 9, 16))
+    torch.testing.assert_close(ops.flash_attention(q, k, v, False, 0.3),
+                               eager.flash_attention(q, k, v, False, 0.3))
+
+
+def test_compile_fullgraph_matches_eager():
+    q, k, v = (t.detach().float().requires_grad_() for t in _qkv(1, 2, 33, 16))
+    compiled = torch.compile(lambda *a: ops.flash_attention(*a), fullgraph=True,
+                             backend="aot_eager")
+    (o,), grads, g = grads_of(compiled, (q, k, v))
+    (r,), ref_g, _ = grads_of(lambda *a: eager.flash_attention(*a), (q, k, v), g)
+    for a, b in zip((o, *grads), (r, *ref_g)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_bad_inputs():
+    q, k, v = (t.detach() for t in _qkv(1, 2, 8, 16))
+    with pytest.raises(ValueError, match="q"):
+        ops.flash_attention(q[0], k[0], v[0])
+    with pytest.raises(ValueError, match="shape"):
+        ops.flash_attention(q, k[:, :, :4], v)
+    big = torch.randn(1, 1, 4, 160, dtype=F64)
+    with pytest.raises(ValueError, match="head dim"):
+        ops.flash_attention(big, big, big)
+    with pytest.raises(TypeError, match="k"):
+        ops.flash_attention(q, k.float(), v)
+    with pytest.raises(TypeError, match="q"):
+        ops.flash_attention(q.int(), k, v)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("B,H,T,D", [(16, 12, 1024, 64), (4, 16, 4096, 128), (2, 3, 1000, 80)])
+def test_gpu_bf16_accuracy_and_determinism(B, H, T, D, causal):
+    q, k, v = (t.detach().cuda().bfloat16().requires_grad_()
+               for t in _qkv(B, H, T, D, dtype=torch.float32))
+    ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    (ref,), ref_g, g = grads_of(lambda *a: eager.flash_attention(*a, causal), ref_in)
+    (fz,), fz_g, _ = grads_of(lambda *a: ops.flash_attention(*a, causal), (q, k, v), g)
+    (ez,), ez_g, _ = grads_of(lambda *a: eager.flash_attention(*a, causal), (q, k, v), g)
+    assert_within_eager_error(fz, ez, ref, 1e-3, "o")
+    for name, f, e, r in zip("qkv", fz_g, ez_g, ref_g):
+        assert_within_eager_error(f, e, r, 1e-3, f"d{name}")
+    (fz2,), fz_g2, _ = grads_of(lambda *a: ops.flash_attention(*a, causal), (q, k, v), g)
+    assert torch.equal(fz, fz2)
+    for a, b in zip(fz_g, fz_g2):
+        assert torch.equal(a, b)

@@ -1,0 +1,54 @@
+from pathlib import Path
+
+import pytest
+from conftest import ROOT
+from hydra import compose, initialize_config_dir
+
+from fusedtrain.config import ConfigError, build_run_config
+
+CONF = str(ROOT / "conf")
+
+
+def _compose(overrides):
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        return compose(config_name="config", overrides=overrides)
+
+
+def _group_options():
+    for group in sorted(p for p in Path(CONF).iterdir() if p.is_dir()):
+        for f in sorted(group.glob("*.yaml")):
+            yield group.name, f.stem
+
+
+@pytest.mark.parametrize("group,option", list(_group_options()))
+def test_every_group_file_composes(group, option):
+    overrides = [f"{group}={option}"]
+    if option == "text":
+        overrides.append("data.files=[a.txt]")
+    if option == "hub":
+        overrides.append("data.name=some/dataset")
+    cfg = _compose(overrides)
+    if group != "data" or option in ("stdlib", "synthetic"):
+        build_run_config(cfg)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_fused_switch_sets_every_component(fused):
+    run = build_run_config(_compose([f"fused={fused}"]))
+    assert set(run.model.kernels.values()) == {fused}
+
+
+def test_per_component_override():
+    run = build_run_config(_compose(["fused=true", "model.kernels.attention=false"]))
+    assert run.model.kernels == {"mlp": True, "qkv": True, "attention": False,
+                                 "layernorm": True}
+
+
+@pytest.mark.parametrize("override,match", [
+    ("optim.lr=-1", "optim.lr"), ("model.n_head=3", "divisible"),
+    ("data.batch_size=0", "data.batch_size"), ("trainer.max_steps=0", "max_steps"),
+    ("+model.kernels.conv=true", "conv"), ("+optim.momentum=0.9", "optim.momentum"),
+])
+def test_bad_settings_are_named(override, match):
+    with pytest.raises(ConfigError, match=match):
+        build_run_config(_compose([override]))

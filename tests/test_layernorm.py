@@ -1,0 +1,104 @@
+import pytest
+import torch
+from conftest import assert_within_eager_error, grads_of
+from torch.autograd import gradcheck
+
+from fusedtrain import eager, ops
+
+F64 = torch.float64
+
+
+def _inputs(shape, dtype=F64, mean=0.0):
+    C = shape[-1]
+    x = (mean + torch.randn(*shape, dtype=dtype)).requires_grad_()
+    w = (1 + 0.1 * torch.randn(C, dtype=dtype)).requires_grad_()
+    b = (0.1 * torch.randn(C, dtype=dtype)).requires_grad_()
+    return x, w, b
+
+
+def test_gradcheck_layer_norm():
+    assert gradcheck(ops.layer_norm, _inputs((3, 5, 13)), fast_mode=True)
+
+
+def test_gradcheck_layer_norm_without_affine():
+    x, _, _ = _inputs((7, 13))
+    assert gradcheck(lambda x: ops.layer_norm(x, None, None), (x,), fast_mode=True)
+
+
+def test_gradcheck_add_layer_norm():
+    x, w, b = _inputs((3, 5, 13))
+    r = torch.randn(3, 5, 13, dtype=F64, requires_grad=True)
+    assert gradcheck(ops.add_layer_norm, (x, r, w, b), fast_mode=True)
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_gradcheck_layer_norm_gelu(approximate):
+    assert gradcheck(lambda *a: ops.layer_norm_gelu(*a, approximate=approximate),
+                     _inputs((3, 5, 13)), fast_mode=True)
+
+
+@pytest.mark.parametrize("C", [1023, 1500, 4095])
+@pytest.mark.parametrize("op", ["layer_norm", "add_layer_norm", "layer_norm_gelu"])
+def test_fp32_accuracy_large_mean(C, op):
+    inputs = list(_inputs((37, C), dtype=torch.float32, mean=1e3))
+    if op == "add_layer_norm":
+        inputs.insert(1, torch.randn(37, C).requires_grad_())
+    ref_in = [t.detach().double().requires_grad_() for t in inputs]
+    refs, ref_g, g = grads_of(getattr(eager, op), ref_in)
+    fused, fz_g, _ = grads_of(getattr(ops, op), inputs, g)
+    eag, ez_g, _ = grads_of(getattr(eager, op), inputs, g)
+    for f, e, r in zip(fused, eag, refs):
+        assert_within_eager_error(f, e, r, 1e-5, op)
+    for i, (f, e, r) in enumerate(zip(fz_g, ez_g, ref_g)):
+        assert_within_eager_error(f, e, r, 1e-3, f"{op} grad {i}")
+
+
+def test_compile_fullgraph_matches_eager():
+    x, w, b = (t.detach().float().requires_grad_() for t in _inputs((4, 9, 24)))
+    r = torch.randn(4, 9, 24, requires_grad=True)
+
+    def both(x, r, w, b):
+        y, s = ops.add_layer_norm(x, r, w, b)
+        return ops.layer_norm_gelu(y, w, b, approximate="tanh") + ops.layer_norm(s, w, b)
+
+    def both_eager(x, r, w, b):
+        y, s = eager.add_layer_norm(x, r, w, b)
+        return eager.layer_norm_gelu(y, w, b, approximate="tanh") + eager.layer_norm(s, w, b)
+
+    compiled = torch.compile(both, fullgraph=True, backend="aot_eager")
+    (o,), grads, g = grads_of(compiled, (x, r, w, b))
+    (ref,), ref_g, _ = grads_of(both_eager, (x, r, w, b), g)
+    for a, c in zip((o, *grads), (ref, *ref_g)):
+        torch.testing.assert_close(a, c, rtol=1e-4, atol=1e-4)
+
+
+def test_bad_inputs():
+    x, w, b = (t.detach() for t in _inputs((4, 8)))
+    with pytest.raises(ValueError, match="weight"):
+        ops.layer_norm(x, w[:5], b)
+    with pytest.raises(ValueError, match="bias"):
+        ops.layer_norm(x, w, torch.randn(8, 1, dtype=F64))
+    with pytest.raises(TypeError, match="weight"):
+        ops.layer_norm(x, w.float(), b)
+    with pytest.raises(ValueError, match="residual"):
+        ops.add_layer_norm(x, x[:2], w, b)
+    with pytest.raises(ValueError, match="approximate"):
+        ops.layer_norm_gelu(x, w, b, approximate="erf")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,C", [(16384, 768), (4096, 4096), (1000, 1500)])
+@pytest.mark.parametrize("op", ["layer_norm", "add_layer_norm", "layer_norm_gelu"])
+def test_gpu_bf16_accuracy(M, C, op):
+    inputs = [t.detach().cuda().bfloat16().requires_grad_()
+              for t in _inputs((M, C), dtype=torch.float32)]
+    if op == "add_layer_norm":
+        inputs.insert(1, torch.randn(M, C, device="cuda").bfloat16().requires_grad_())
+    ref_in = [t.detach().double().requires_grad_() for t in inputs]
+    refs, ref_g, g = grads_of(getattr(eager, op), ref_in)
+    fused, fz_g, _ = grads_of(getattr(ops, op), inputs, g)
+    eag, ez_g, _ = grads_of(getattr(eager, op), inputs, g)
+    for f, e, r in zip(fused, eag, refs):
+        assert_within_eager_error(f, e, r, 1e-2, op)
+    for i, (f, e, r) in enumerate(zip(fz_g, ez_g, ref_g)):
+        assert_within_eager_error(f, e, r, 1e-2, f"{op} grad {i}")

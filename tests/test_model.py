@@ -1,0 +1,81 @@
+import pytest
+import torch
+
+from fusedtrain.model import KERNEL_FAMILIES, GPT, GPTConfig
+
+TINY = dict(block_size=32, vocab_size=256, n_layer=2, n_head=2, n_embd=32)
+
+
+def test_gpt2_parameter_count():
+    # GPT-2 small with the vocabulary padded to 50304, position embeddings left out.
+    assert GPT(GPTConfig()).num_params() == 123_689_472
+
+
+def test_forward_shapes_and_tied_head():
+    model = GPT(GPTConfig(**TINY))
+    logits = model(torch.randint(0, 256, (3, 17)))
+    assert logits.shape == (3, 17, 256)
+    assert model.transformer.wte.weight.data_ptr() == model.transformer.wte.weight.data_ptr()
+    n_embed_params = sum(p.numel() for p in model.parameters())
+    assert model.num_params(non_embedding=False) == n_embed_params
+
+
+def test_residual_projection_init_is_scaled():
+    model = GPT(GPTConfig(**{**TINY, "n_layer": 8, "n_embd": 128}))
+    std = model.transformer.h[0].mlp.c_proj.weight.std().item()
+    assert abs(std - 0.02 / (2 * 8) ** 0.5) < 0.002
+
+
+def test_flops_per_token():
+    model = GPT(GPTConfig(**TINY))
+    expected = 6 * model.num_params() + 12 * 2 * 32 * 32
+    assert model.flops_per_token() == expected
+
+
+def test_sequence_longer_than_block_size_is_refused():
+    model = GPT(GPTConfig(**TINY))
+    with pytest.raises(ValueError, match="block_size"):
+        model(torch.randint(0, 256, (1, 33)))
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(n_embd=30, n_head=4), "divisible"), (dict(n_layer=0), "n_layer"),
+    (dict(kernels={"mlp": True, "conv": True}), "conv"), (dict(gelu="relu"), "gelu"),
+])
+def test_bad_config(bad, match):
+    with pytest.raises(ValueError, match=match):
+        GPTConfig(**{**TINY, **bad})
+
+
+def test_eager_training_lowers_loss():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**TINY))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    data = torch.randint(0, 16, (8, 33))  # a small vocabulary: learnable quickly
+    losses = []
+    for _ in range(40):
+        loss = model.loss(data[:, :-1], data[:, 1:])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 1.0
+
+
+@pytest.mark.parametrize("family", [*KERNEL_FAMILIES, "all"])
+def test_fused_and_eager_models_agree(family):
+    """Same weights, same batch: loss and every gradient match in fp32."""
+    kernels = {k: family in (k, "all") for k in KERNEL_FAMILIES}
+    torch.manual_seed(0)
+    eager_model = GPT(GPTConfig(**TINY))
+    fused_model = GPT(GPTConfig(**TINY, kernels=kernels))
+    fused_model.load_state_dict(eager_model.state_dict())
+    x = torch.randint(0, 256, (2, 32))
+    losses = []
+    for m in (eager_model, fused_model):
+        loss = m.loss(x[:, :-1], x[:, 1:])
+        loss.backward()
+        losses.append(loss)
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-5)
+    for (name, pe), pf in zip(eager_model.named_parameters(), fused_model.parameters()):
+        torch.testing.assert_close(pf.grad, pe.grad, rtol=1e-3, atol=1e-5, msg=name)

@@ -1,0 +1,91 @@
+import pytest
+import torch
+from conftest import assert_within_eager_error, grads_of
+from torch.autograd import gradcheck
+
+from fusedtrain import eager, ops
+
+F64 = torch.float64
+
+
+def _inputs(B, T, C, dtype=F64, bias=True):
+    x = torch.randn(B, T, C, dtype=dtype, requires_grad=True)
+    w = (torch.randn(3 * C, C, dtype=dtype) / C ** 0.5).requires_grad_()
+    b = torch.randn(3 * C, dtype=dtype, requires_grad=True) if bias else None
+    return x, w, b
+
+
+def test_layout_matches_eager():
+    x, w, b = _inputs(2, 7, 12)
+    for fused, ref in zip(ops.qkv_projection(x, w, b, 3), eager.qkv_projection(x, w, b, 3)):
+        assert fused.shape == (2, 3, 7, 4)
+        torch.testing.assert_close(fused, ref)
+
+
+def test_packed_eager_form_matches_three_projections():
+    x, w, b = _inputs(2, 7, 12)
+    for a, r in zip(eager.qkv_projection_packed(x, w, b, 3), eager.qkv_projection(x, w, b, 3)):
+        torch.testing.assert_close(a, r)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_gradcheck(bias):
+    inputs = _inputs(2, 5, 12, bias=bias)
+    assert gradcheck(lambda *a: ops.qkv_projection(*a, 3), inputs, fast_mode=True)
+
+
+def test_strided_x():
+    base = torch.randn(2, 9, 12, dtype=F64)
+    x = base[:, 1:8]  # (B, T, C) with a batch stride that is not T*C
+    w, b = torch.randn(36, 12, dtype=F64), torch.randn(36, dtype=F64)
+    for a, r in zip(ops.qkv_projection(x, w, b, 4), eager.qkv_projection(x, w, b, 4)):
+        torch.testing.assert_close(a, r)
+
+
+def test_fp32_accuracy():
+    x, w, b = (t.detach().float().requires_grad_() for t in _inputs(2, 203, 96))
+    ref_in = [t.detach().double().requires_grad_() for t in (x, w, b)]
+    refs, ref_g, g = grads_of(lambda *a: eager.qkv_projection(*a, 4), ref_in)
+    fused, fz_g, _ = grads_of(lambda *a: ops.qkv_projection(*a, 4), (x, w, b), g)
+    eag, ez_g, _ = grads_of(lambda *a: eager.qkv_projection(*a, 4), (x, w, b), g)
+    for f, e, r in zip(fused, eag, refs):
+        assert_within_eager_error(f, e, r, 1e-5, "q/k/v")
+    for name, f, e, r in zip("x w b".split(), fz_g, ez_g, ref_g):
+        assert_within_eager_error(f, e, r, 1e-4, f"d{name}")
+
+
+def test_compile_fullgraph_matches_eager():
+    x, w, b = (t.detach().float().requires_grad_() for t in _inputs(2, 9, 16))
+    compiled = torch.compile(lambda *a: ops.qkv_projection(*a, 2), fullgraph=True,
+                             backend="aot_eager")
+    outs, grads, g = grads_of(compiled, (x, w, b))
+    refs, ref_g, _ = grads_of(lambda *a: eager.qkv_projection(*a, 2), (x, w, b), g)
+    for a, r in zip(outs + tuple(grads), refs + tuple(ref_g)):
+        torch.testing.assert_close(a, r, rtol=1e-4, atol=1e-4)
+
+
+def test_bad_inputs():
+    x, w, b = _inputs(2, 5, 12)
+    with pytest.raises(ValueError, match="n_heads"):
+        ops.qkv_projection(x, w, b, 5)
+    with pytest.raises(ValueError, match="weight"):
+        ops.qkv_projection(x, w[:30], b, 3)
+    with pytest.raises(TypeError, match="weight"):
+        ops.qkv_projection(x, w.float(), b, 3)
+    with pytest.raises(ValueError, match="x"):
+        ops.qkv_projection(x[0], w, b, 3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,T,C,H", [(16, 1024, 768, 12), (8, 2048, 2048, 16)])
+def test_gpu_bf16_accuracy(B, T, C, H):
+    x, w, b = (t.detach().cuda().bfloat16().requires_grad_()
+               for t in _inputs(B, T, C, dtype=torch.float32))
+    ref_in = [t.detach().double().requires_grad_() for t in (x, w, b)]
+    refs, ref_g, g = grads_of(lambda *a: eager.qkv_projection(*a, H), ref_in)
+    fused, fz_g, _ = grads_of(lambda *a: ops.qkv_projection(*a, H), (x, w, b), g)
+    eag, ez_g, _ = grads_of(lambda *a: eager.qkv_projection(*a, H), (x, w, b), g)
+    for f, e, r in zip(fused, eag, refs):
+        assert_within_eager_error(f, e, r, 1e-2, "q/k/v")
+    for name, f, e, r in zip("x w b".split(), fz_g, ez_g, ref_g):
+        assert_within_eager_error(f, e, r, 1e-2, f"d{name}")
