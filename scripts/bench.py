@@ -251,8 +251,8 @@ def main(argv=None) -> int:
         t0 = time.time()
         FAMILIES[fam](rows)
         print(f"[{fam}: {time.time() - t0:.0f}s]", file=sys.stderr)
+        (out / "kernels.json").write_text(json.dumps({"env": info, "rows": rows}, indent=1))
     print_table(rows)
-    (out / "kernels.json").write_text(json.dumps({"env": info, "rows": rows}, indent=1))
     plot(rows, out / "kernels.png", f"{info['gpu']}, torch {info['torch']}, triton "
          f"{info['triton']}, {info['dtype']}, {info['date']}")
     return 0

@@ -19,10 +19,10 @@ import triton.language as tl
 
 from fusedtrain.kernels import INTERPRET
 
-INV_SQRT2: tl.constexpr = 0.7071067811865476
-INV_SQRT_2PI: tl.constexpr = 0.3989422804014327
-SQRT_2_OVER_PI: tl.constexpr = 0.7978845608028654
-TANH_COEF: tl.constexpr = 0.044715
+INV_SQRT2 = tl.constexpr(0.7071067811865476)
+INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
+SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
+TANH_COEF = tl.constexpr(0.044715)
 
 APPROXIMATIONS = {"none": 0, "tanh": 1}
 
