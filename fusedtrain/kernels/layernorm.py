@@ -11,6 +11,8 @@ GELU after the affine map is recomputed in backward from x and the saved statist
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -146,12 +148,17 @@ def layer_norm_fwd(x: torch.Tensor, residual: torch.Tensor | None, weight: torch
         else s, mean, rstd
 
 
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def _num_programs(M: int, block_m: int, device: torch.device) -> int:
+    """Persistent grid size: a few programs per SM (a handful under the interpreter)."""
     tiles = triton.cdiv(M, block_m)
     if INTERPRET:
         return min(tiles, 4)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return min(tiles, 4 * sms)
+    return min(tiles, 4 * _sm_count(device.index or 0))
 
 
 def layer_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None,
