@@ -1,10 +1,14 @@
-"""Kernel microbenchmarks: fused vs eager vs torch.compile vs the library ceiling.
+"""Benchmarks, every competitor in this one process, on fresh random data.
 
   python scripts/bench.py kernels [--family linear_gelu qkv attention layernorm] [--out DIR]
+      kernel microbenchmarks (triton.testing.do_bench medians): fused vs eager vs
+      torch.compile vs the library ceiling -> DIR/kernels.json, DIR/kernels.png
+  python scripts/bench.py train [--model gpt2] [--batch 16] [--seq 1024] [--steps 20] [--out DIR]
+      training steps (forward, backward, AdamW; bf16 autocast) for the variants eager-math,
+      eager-sdpa, compile-sdpa, fused, compile-fused and the per-family ablation:
+      tokens/s, step ms, MFU, peak memory -> DIR/train.json, DIR/train.png
 
-Every figure is a triton.testing.do_bench median on fresh random data, with all
-competitors in this one process; results go to DIR/kernels.json and DIR/kernels.png,
-and a table to stdout. Needs a CUDA GPU.
+A table goes to stdout. Needs a CUDA GPU (the train part also runs on CPU for a smoke test).
 """
 
 from __future__ import annotations
@@ -179,6 +183,139 @@ def bench_layernorm(rows: list[dict]) -> None:
             rows.append(row)
 
 
+# ---------------------------------------------------------------- training
+
+
+def train_variants(ablation: bool) -> dict[str, dict]:
+    """name -> {kernels, eager_attention, compile}."""
+    from fusedtrain.model import KERNEL_FAMILIES
+
+    none = dict.fromkeys(KERNEL_FAMILIES, False)
+    every = dict.fromkeys(KERNEL_FAMILIES, True)
+    v = {
+        "eager-math": dict(kernels=none, eager_attention="math", compile=False),
+        "eager-sdpa": dict(kernels=none, eager_attention="sdpa", compile=False),
+        "compile-sdpa": dict(kernels=none, eager_attention="sdpa", compile=True),
+        "fused": dict(kernels=every, eager_attention="sdpa", compile=False),
+        "compile-fused": dict(kernels=every, eager_attention="sdpa", compile=True),
+    }
+    if ablation:
+        for fam in KERNEL_FAMILIES:
+            v[f"fused-no-{fam}"] = dict(kernels={**every, fam: False}, eager_attention="sdpa",
+                                        compile=False)
+    return v
+
+
+def bench_train_variant(model_name: str, batch: int, seq: int, steps: int, warmup: int,
+                        variant: dict, device: str) -> dict:
+    from omegaconf import OmegaConf
+
+    from fusedtrain.model import GPT, GPTConfig
+    from fusedtrain.module import peak_flops
+
+    base = OmegaConf.to_container(OmegaConf.load(Path(__file__).parents[1] / "conf" / "model"
+                                                 / f"{model_name}.yaml"))
+    cfg = GPTConfig(**{**base, "block_size": max(seq, base["block_size"]),
+                       "kernels": variant["kernels"],
+                       "eager_attention": variant["eager_attention"]})
+    torch.manual_seed(0)
+    model = GPT(cfg).to(device)
+    step_model = torch.compile(model) if variant["compile"] else model
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
+    gen = torch.Generator(device=device).manual_seed(0)
+    data = torch.randint(0, cfg.vocab_size, (warmup + steps, batch, seq + 1), device=device,
+                         generator=gen)
+    amp = torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda")
+
+    def step(i):
+        with amp:
+            loss = step_model.loss(data[i, :, :-1], data[i, :, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    losses, times = [], []
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    for i in range(warmup + steps):
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        t0 = time.perf_counter()
+        loss = step(i)
+        if device == "cuda":
+            end.record()
+            end.synchronize()
+            ms = start.elapsed_time(end)
+        else:
+            ms = (time.perf_counter() - t0) * 1e3
+        losses.append(loss.item())
+        if i >= warmup:
+            times.append(ms)
+    times_t = torch.tensor(times)
+    median = times_t.median().item()
+    tokens_per_s = batch * seq / (median / 1e3)
+    peak = peak_flops() if device == "cuda" else None
+    out = {"step_ms_median": median, "step_ms_p10": times_t.quantile(0.1).item(),
+           "step_ms_p90": times_t.quantile(0.9).item(), "tokens_per_s": tokens_per_s,
+           "final_loss": losses[-1],
+           "peak_mem_GiB": torch.cuda.max_memory_allocated() / 2 ** 30 if device == "cuda"
+           else None}
+    if peak is not None:
+        out["mfu"] = model.flops_per_token(seq) * tokens_per_s / peak[1]
+        out["peak_flops"] = peak[1]
+    del model, step_model, opt, data
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def run_train(args) -> dict:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    variants = train_variants(args.ablation)
+    if args.variants:
+        variants = {k: v for k, v in variants.items() if k in args.variants}
+    results = {}
+    for name, v in variants.items():
+        t0 = time.time()
+        try:
+            results[name] = bench_train_variant(args.model, args.batch, args.seq, args.steps,
+                                                args.warmup, v, device)
+        except torch.OutOfMemoryError as e:
+            results[name] = {"error": f"out of memory: {str(e)[:100]}"}
+            torch.cuda.empty_cache()
+        r = results[name]
+        print(f"{name:<20} " + ("  ".join(f"{k} {v:.4g}" for k, v in r.items()
+                                          if isinstance(v, float))
+                               or r.get("error", "")) + f"  [{time.time() - t0:.0f}s]",
+              flush=True)
+    base = {k: results[k]["tokens_per_s"] for k in ("eager-math", "eager-sdpa", "compile-sdpa")
+            if "tokens_per_s" in results.get(k, {})}
+    for r in results.values():
+        if "tokens_per_s" in r:
+            r["speedup_vs"] = {k: r["tokens_per_s"] / v for k, v in base.items()}
+    return results
+
+
+def plot_train(results: dict, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [k for k, r in results.items() if "tokens_per_s" in r]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 0.4 * len(names) + 2), sharey=True)
+    axes[0].barh(names, [results[k]["tokens_per_s"] / 1e3 for k in names], color="C0")
+    axes[0].set_xlabel("tokens/s (thousands)")
+    axes[1].barh(names, [results[k]["peak_mem_GiB"] or 0 for k in names], color="C1")
+    axes[1].set_xlabel("peak memory (GiB)")
+    axes[0].invert_yaxis()
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 FAMILIES = {"linear_gelu": bench_linear_gelu, "qkv": bench_qkv, "attention": bench_attention,
             "layernorm": bench_layernorm}
 
@@ -237,7 +374,26 @@ def main(argv=None) -> int:
     k = sub.add_parser("kernels", help="kernel microbenchmarks")
     k.add_argument("--family", nargs="+", choices=list(FAMILIES), default=list(FAMILIES))
     k.add_argument("--out", default="results")
+    t = sub.add_parser("train", help="training throughput, fused vs eager vs torch.compile")
+    t.add_argument("--model", default="gpt2")
+    t.add_argument("--batch", type=int, default=16)
+    t.add_argument("--seq", type=int, default=1024)
+    t.add_argument("--steps", type=int, default=20)
+    t.add_argument("--warmup", type=int, default=5)
+    t.add_argument("--ablation", action="store_true", help="also fused minus one family")
+    t.add_argument("--variants", nargs="+", help="run only these variants")
+    t.add_argument("--out", default="results")
     args = p.parse_args(argv)
+    if args.cmd == "train":
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        info = env() if torch.cuda.is_available() else {"device": "cpu"}
+        info.update(model=args.model, batch=args.batch, seq=args.seq, steps=args.steps)
+        print(json.dumps(info), flush=True)
+        results = run_train(args)
+        (out / "train.json").write_text(json.dumps({"env": info, "results": results}, indent=1))
+        plot_train(results, out / "train.png", json.dumps(info)[:150])
+        return 0
     if not torch.cuda.is_available():
         print("bench.py kernels needs a CUDA GPU", file=sys.stderr)
         return 2
