@@ -85,7 +85,7 @@ class GPTModule(L.LightningModule):
         opt = torch.optim.AdamW(
             [{"params": decay, "weight_decay": o.weight_decay},
              {"params": no_decay, "weight_decay": 0.0}],
-            lr=o.lr, betas=(o.beta1, o.beta2), fused=torch.cuda.is_available(),
+            lr=o.lr, betas=(o.beta1, o.beta2),  # foreach: Lightning clips gradients
         )
         sched = torch.optim.lr_scheduler.LambdaLR(
             opt, lambda s: lr_multiplier(s, o.warmup_steps, self.max_steps, o.min_lr_ratio)

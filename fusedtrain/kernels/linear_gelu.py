@@ -19,8 +19,16 @@ import triton
 import triton.language as tl
 
 from fusedtrain.kernels._common import (
-    APPROXIMATIONS, INTERPRET_GEMM, acc_dtype, autotune, dot_precision, gelu, gelu_grad,
-    gemm_configs, grouped_tile, matmul_acc,
+    APPROXIMATIONS,
+    INTERPRET_GEMM,
+    acc_dtype,
+    autotune,
+    dot_precision,
+    gelu,
+    gelu_grad,
+    gemm_configs,
+    grouped_tile,
+    matmul_acc,
 )
 
 

@@ -17,8 +17,15 @@ import triton
 import triton.language as tl
 
 from fusedtrain.kernels._common import (
-    INTERPRET_GEMM, acc_dtype, autotune, cdiv, dot_precision, gemm_configs, grouped_tile,
-    matmul_acc, pick3,
+    INTERPRET_GEMM,
+    acc_dtype,
+    autotune,
+    cdiv,
+    dot_precision,
+    gemm_configs,
+    grouped_tile,
+    matmul_acc,
+    pick3,
 )
 
 

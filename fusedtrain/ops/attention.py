@@ -6,12 +6,13 @@ import torch
 from torch.utils.flop_counter import register_flop_formula
 
 from fusedtrain.kernels import attention as K
+from fusedtrain.ops._registry import launcher
 from fusedtrain.ops._validate import autocast_cast, check_same, check_tensor
 
 Tensor = torch.Tensor
 
 
-@torch.library.custom_op("fusedtrain::attention_fwd", mutates_args=())
+@launcher("attention_fwd")
 def _attention_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool,
                    softmax_scale: float) -> tuple[Tensor, Tensor]:
     return K.attention_fwd(q, k, v, causal, softmax_scale)
@@ -23,7 +24,7 @@ def _(q, k, v, causal, softmax_scale):
     return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=stat)
 
 
-@torch.library.custom_op("fusedtrain::attention_bwd", mutates_args=())
+@launcher("attention_bwd")
 def _attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
                    causal: bool, softmax_scale: float) -> tuple[Tensor, Tensor, Tensor]:
     return K.attention_bwd(do, q, k, v, o, lse, causal, softmax_scale)
@@ -55,7 +56,7 @@ class FlashAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: float):
-        o, lse = torch.ops.fusedtrain.attention_fwd(q, k, v, causal, softmax_scale)
+        o, lse = _attention_fwd(q, k, v, causal, softmax_scale)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.causal, ctx.softmax_scale = causal, softmax_scale
         return o
@@ -63,7 +64,7 @@ class FlashAttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do: Tensor):
         q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = torch.ops.fusedtrain.attention_bwd(
+        dq, dk, dv = _attention_bwd(
             do, q, k, v, o, lse, ctx.causal, ctx.softmax_scale)
         return dq, dk, dv, None, None
 

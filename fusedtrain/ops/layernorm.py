@@ -12,15 +12,19 @@ import torch
 
 from fusedtrain import eager
 from fusedtrain.kernels import layernorm as K
+from fusedtrain.ops._registry import launcher
 from fusedtrain.ops._validate import (
-    autocast_dtype, check_approximate, check_same, check_tensor,
+    autocast_dtype,
+    check_approximate,
+    check_same,
+    check_tensor,
 )
 
 Tensor = torch.Tensor
 
 
 
-@torch.library.custom_op("fusedtrain::layer_norm_fwd", mutates_args=())
+@launcher("layer_norm_fwd")
 def _layer_norm_fwd(x: Tensor, residual: Tensor | None, weight: Tensor | None,
                     bias: Tensor | None, eps: float, approximate: str, out_dtype: torch.dtype,
                     stream_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -37,7 +41,7 @@ def _(x, residual, weight, bias, eps, approximate, out_dtype, stream_dtype):
             x.new_empty(M, dtype=stat), x.new_empty(M, dtype=stat))
 
 
-@torch.library.custom_op("fusedtrain::layer_norm_bwd", mutates_args=())
+@launcher("layer_norm_bwd")
 def _layer_norm_bwd(dy: Tensor, x: Tensor, weight: Tensor | None, bias: Tensor | None,
                     mean: Tensor, rstd: Tensor, ds: Tensor | None, approximate: str,
                     dx_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
@@ -67,7 +71,7 @@ class LayerNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, eps: float, approximate: str, out_dtype: torch.dtype):
-        y, _, mean, rstd = torch.ops.fusedtrain.layer_norm_fwd(
+        y, _, mean, rstd = _layer_norm_fwd(
             x, None, weight, bias, eps, approximate, out_dtype, x.dtype)
         ctx.save_for_backward(x, weight, bias, mean, rstd)
         ctx.approximate = approximate
@@ -76,7 +80,7 @@ class LayerNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, weight, bias, mean, rstd = ctx.saved_tensors
-        dx, dw, db = torch.ops.fusedtrain.layer_norm_bwd(
+        dx, dw, db = _layer_norm_bwd(
             dy, x, weight, bias, mean, rstd, None, ctx.approximate, x.dtype)
         return (dx, *_param_grads(dw, db, weight, bias), None, None, None)
 
@@ -87,7 +91,7 @@ class AddLayerNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, residual, weight, bias, eps: float, out_dtype: torch.dtype):
         stream_dtype = torch.promote_types(x.dtype, residual.dtype)
-        y, s, mean, rstd = torch.ops.fusedtrain.layer_norm_fwd(
+        y, s, mean, rstd = _layer_norm_fwd(
             x, residual, weight, bias, eps, "", out_dtype, stream_dtype)
         ctx.save_for_backward(s, weight, bias, mean, rstd)
         ctx.dtypes = (x.dtype, residual.dtype)
@@ -96,7 +100,7 @@ class AddLayerNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, ds):
         s, weight, bias, mean, rstd = ctx.saved_tensors
-        dsum, dw, db = torch.ops.fusedtrain.layer_norm_bwd(
+        dsum, dw, db = _layer_norm_bwd(
             dy, s, weight, bias, mean, rstd, ds, "", s.dtype)
         dx, dres = (dsum.to(dt) for dt in ctx.dtypes)
         return (dx, dres, *_param_grads(dw, db, weight, bias), None, None)

@@ -13,8 +13,12 @@ from torch.utils.flop_counter import register_flop_formula
 
 from fusedtrain import eager
 from fusedtrain.kernels import linear_gelu as K
+from fusedtrain.ops._registry import launcher
 from fusedtrain.ops._validate import (
-    autocast_cast, check_approximate, check_same, check_tensor,
+    autocast_cast,
+    check_approximate,
+    check_same,
+    check_tensor,
 )
 
 Tensor = torch.Tensor
@@ -22,7 +26,7 @@ Tensor = torch.Tensor
 # ---------------------------------------------------------------- registered launchers
 
 
-@torch.library.custom_op("fusedtrain::linear_gelu_fwd", mutates_args=())
+@launcher("linear_gelu_fwd")
 def _linear_gelu_fwd(x: Tensor, weight: Tensor, bias: Tensor | None,
                      approximate: str) -> tuple[Tensor, Tensor]:
     y, h = K.linear_gelu_fwd(x, weight, bias, approximate, store_h=True)
@@ -35,7 +39,7 @@ def _(x, weight, bias, approximate):
     return out, torch.empty_like(out)
 
 
-@torch.library.custom_op("fusedtrain::matmul_dgelu", mutates_args=())
+@launcher("matmul_dgelu")
 def _matmul_dgelu(dy: Tensor, w2: Tensor, h: Tensor, approximate: str) -> Tensor:
     return K.matmul_dgelu(dy, w2, h, approximate)
 
@@ -45,7 +49,7 @@ def _(dy, w2, h, approximate):
     return h.new_empty(h.shape)
 
 
-@torch.library.custom_op("fusedtrain::matmul_gelu_rhs", mutates_args=())
+@launcher("matmul_gelu_rhs")
 def _matmul_gelu_rhs(dy: Tensor, h: Tensor, approximate: str) -> Tensor:
     return K.matmul_gelu_rhs(dy, h, approximate)
 
@@ -55,7 +59,7 @@ def _(dy, h, approximate):
     return dy.new_empty((dy.shape[1], h.shape[1]))
 
 
-@torch.library.custom_op("fusedtrain::gelu_bwd", mutates_args=())
+@launcher("gelu_bwd")
 def _gelu_bwd(dy: Tensor, h: Tensor, approximate: str) -> Tensor:
     return K.gelu_bwd(dy, h, approximate)
 
@@ -92,7 +96,7 @@ class LinearGELUFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, approximate: str):
-        y, h = torch.ops.fusedtrain.linear_gelu_fwd(x, weight, bias, approximate)
+        y, h = _linear_gelu_fwd(x, weight, bias, approximate)
         ctx.save_for_backward(x, weight, bias, h)
         ctx.approximate = approximate
         return y
@@ -100,7 +104,7 @@ class LinearGELUFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: Tensor):
         x, weight, bias, h = ctx.saved_tensors
-        dh = torch.ops.fusedtrain.gelu_bwd(dy, h, ctx.approximate)
+        dh = _gelu_bwd(dy, h, ctx.approximate)
         return dh @ weight, dh.t() @ x, _bias_grad(dh, bias), None
 
 
@@ -109,7 +113,7 @@ class FusedMLPFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, fc_weight, fc_bias, proj_weight, proj_bias, approximate: str):
-        g, h = torch.ops.fusedtrain.linear_gelu_fwd(x, fc_weight, fc_bias, approximate)
+        g, h = _linear_gelu_fwd(x, fc_weight, fc_bias, approximate)
         y = F.linear(g, proj_weight, proj_bias)  # g is dropped here, not saved
         ctx.save_for_backward(x, fc_weight, fc_bias, proj_weight, proj_bias, h)
         ctx.approximate = approximate
@@ -119,8 +123,8 @@ class FusedMLPFunction(torch.autograd.Function):
     def backward(ctx, dy: Tensor):
         x, w1, b1, w2, b2, h = ctx.saved_tensors
         a = ctx.approximate
-        dh = torch.ops.fusedtrain.matmul_dgelu(dy, w2, h, a)      # (dy @ W2) * gelu'(h)
-        dw2 = torch.ops.fusedtrain.matmul_gelu_rhs(dy, h, a)      # dy.T @ gelu(h)
+        dh = _matmul_dgelu(dy, w2, h, a)      # (dy @ W2) * gelu'(h)
+        dw2 = _matmul_gelu_rhs(dy, h, a)      # dy.T @ gelu(h)
         return dh @ w1, dh.t() @ x, _bias_grad(dh, b1), dw2, _bias_grad(dy, b2), None
 
 

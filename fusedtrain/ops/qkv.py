@@ -7,12 +7,13 @@ from torch.utils.flop_counter import register_flop_formula
 
 from fusedtrain import eager
 from fusedtrain.kernels import qkv as K
+from fusedtrain.ops._registry import launcher
 from fusedtrain.ops._validate import autocast_cast, check_same, check_tensor
 
 Tensor = torch.Tensor
 
 
-@torch.library.custom_op("fusedtrain::qkv_fwd", mutates_args=())
+@launcher("qkv_fwd")
 def _qkv_fwd(x: Tensor, weight: Tensor, bias: Tensor | None,
              n_heads: int) -> tuple[Tensor, Tensor, Tensor]:
     return K.qkv_fwd(x, weight, bias, n_heads)
@@ -24,7 +25,7 @@ def _(x, weight, bias, n_heads):
     return tuple(x.new_empty((B, n_heads, T, C // n_heads)) for _ in range(3))
 
 
-@torch.library.custom_op("fusedtrain::qkv_dx", mutates_args=())
+@launcher("qkv_dx")
 def _qkv_dx(dq: Tensor, dk: Tensor, dv: Tensor, weight: Tensor) -> Tensor:
     return K.qkv_dx(dq, dk, dv, weight)
 
@@ -35,7 +36,7 @@ def _(dq, dk, dv, weight):
     return dq.new_empty((B, T, H * D))
 
 
-@torch.library.custom_op("fusedtrain::qkv_dw", mutates_args=())
+@launcher("qkv_dw")
 def _qkv_dw(dq: Tensor, dk: Tensor, dv: Tensor, x: Tensor) -> Tensor:
     return K.qkv_dw(dq, dk, dv, x)
 
@@ -67,7 +68,7 @@ def _same_layout(dq: Tensor, dk: Tensor, dv: Tensor) -> tuple[Tensor, Tensor, Te
 class QKVProjectionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, n_heads: int):
-        q, k, v = torch.ops.fusedtrain.qkv_fwd(x, weight, bias, n_heads)
+        q, k, v = _qkv_fwd(x, weight, bias, n_heads)
         ctx.save_for_backward(x, weight, bias)
         return q, k, v
 
@@ -75,8 +76,8 @@ class QKVProjectionFunction(torch.autograd.Function):
     def backward(ctx, dq: Tensor, dk: Tensor, dv: Tensor):
         x, weight, bias = ctx.saved_tensors
         dq, dk, dv = _same_layout(dq, dk, dv)
-        dx = torch.ops.fusedtrain.qkv_dx(dq, dk, dv, weight)
-        dw = torch.ops.fusedtrain.qkv_dw(dq, dk, dv, x)
+        dx = _qkv_dx(dq, dk, dv, weight)
+        dw = _qkv_dw(dq, dk, dv, x)
         db = None
         if bias is not None:
             db = torch.cat([g.sum((0, 2), dtype=torch.float32).flatten() for g in (dq, dk, dv)])
