@@ -111,7 +111,7 @@ class GPT(nn.Module):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """idx: (B, T) token ids -> logits: (B, T, vocab_size)."""
         B, T = idx.shape
-        if T > self.config.block_size:
+        if self.config.block_size < T:
             raise ValueError(
                 f"sequence length {T} exceeds model.block_size {self.config.block_size}"
             )

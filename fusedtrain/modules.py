@@ -87,10 +87,8 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
-        if self.fused_qkv:
-            q, k, v = _fused_ops().qkv_projection(x, self.c_attn.weight, self.c_attn.bias, self.n_head)
-        else:
-            q, k, v = eager.qkv_projection_packed(x, self.c_attn.weight, self.c_attn.bias, self.n_head)
+        project = _fused_ops().qkv_projection if self.fused_qkv else eager.qkv_projection_packed
+        q, k, v = project(x, self.c_attn.weight, self.c_attn.bias, self.n_head)
         if self.fused_attention:
             y = _fused_ops().flash_attention(q, k, v, causal=True)
         elif self.eager_attention == "sdpa":

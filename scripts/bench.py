@@ -157,11 +157,14 @@ def bench_attention(rows: list[dict]) -> None:
             rows.append(r)
 
 
+def copy_bandwidth(n_bytes: int = 2 ** 30) -> float:
+    """Device-to-device copy GB/s, counting bytes read plus bytes written."""
+    buf = torch.empty(n_bytes, device="cuda", dtype=torch.uint8)
+    return 2 * n_bytes / bench(lambda: buf.clone()) / 1e6
+
+
 def bench_layernorm(rows: list[dict]) -> None:
-    buf = torch.empty(2 ** 30, device="cuda", dtype=torch.uint8)
-    copy_ms = bench(lambda: buf.clone())
-    copy_gbs = 2 * buf.numel() / copy_ms / 1e6
-    del buf
+    copy_gbs = copy_bandwidth()
     for M, C in [(16384, 768), (16384, 2048), (16384, 4096), (65536, 1024)]:
         x, r_, w, b = randn(M, C), randn(M, C), randn(C, scale=0.1), randn(C, scale=0.1)
         w, b = (w.detach() + 1).requires_grad_(), b
@@ -265,9 +268,6 @@ def bench_train_variant(model_name: str, batch: int, seq: int, steps: int, warmu
     if peak is not None:
         out["mfu"] = model.flops_per_token(seq) * tokens_per_s / peak[1]
         out["peak_flops"] = peak[1]
-    del model, step_model, opt, data
-    if device == "cuda":
-        torch.cuda.empty_cache()
     return out
 
 
@@ -284,6 +284,7 @@ def run_train(args) -> dict:
                                                 args.warmup, v, device)
         except torch.OutOfMemoryError as e:
             results[name] = {"error": f"out of memory: {str(e)[:100]}"}
+        if device == "cuda":
             torch.cuda.empty_cache()
         r = results[name]
         print(f"{name:<20} " + ("  ".join(f"{k} {v:.4g}" for k, v in r.items()
@@ -348,9 +349,9 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
     panels = [r for r in rows if "fwd_bwd" in r]
     fig, ax = plt.subplots(figsize=(12, 0.45 * len(panels) + 2))
-    labels, y = [], 0
+    labels = []
     colors = {}
-    for r in panels:
+    for y, r in enumerate(panels):
         t = r["fwd_bwd"]
         base = t["fused"]
         for i, (k, v) in enumerate(t.items()):
@@ -358,7 +359,6 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
             ax.barh(y + i * 0.8 / len(t), base / v, height=0.8 / len(t), color=c,
                     label=k if k not in ax.get_legend_handles_labels()[1] else None)
         labels.append(f"{r['family']} {r['shape']}")
-        y += 1
     ax.set_yticks([i + 0.4 for i in range(len(labels))], labels, fontsize=7)
     ax.axvline(1.0, color="k", lw=0.8)
     ax.set_xlabel("speed relative to fused (forward+backward; <1 = slower than fused)")

@@ -24,4 +24,6 @@ for impl in (ops, eager):
             torch.autograd.grad(fn(x, w, b).sum(), (x, w, b))
         torch.cuda.synchronize()
     print(f"== {impl.__name__}.{name} M={M} C={C}, 10 iterations")
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=50))
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=12,
+                                      max_name_column_width=50)
+    print(table)

@@ -30,7 +30,8 @@ def resolve_ckpt(ckpt_path: str | None, run_dir: Path) -> str | None:
     here = run_dir / "checkpoints" / "last.ckpt"
     if here.is_file():
         return str(here)
-    found = sorted(Path("outputs").glob("**/checkpoints/last.ckpt"), key=lambda p: p.stat().st_mtime)
+    found = sorted(Path("outputs").glob("**/checkpoints/last.ckpt"),
+                   key=lambda p: p.stat().st_mtime)
     if not found:
         raise ConfigError("ckpt_path=last: no last.ckpt in this run dir or under outputs/")
     return str(found[-1])

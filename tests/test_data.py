@@ -2,8 +2,13 @@ import numpy as np
 import pytest
 
 from fusedtrain.data import (
-    ByteTokenizer, DataConfig, RandomWindows, TokenDataModule, build_token_cache,
-    load_tokens, stdlib_files,
+    ByteTokenizer,
+    DataConfig,
+    RandomWindows,
+    TokenDataModule,
+    build_token_cache,
+    load_tokens,
+    stdlib_files,
 )
 
 

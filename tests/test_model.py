@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from fusedtrain.model import KERNEL_FAMILIES, GPT, GPTConfig
+from fusedtrain.model import GPT, KERNEL_FAMILIES, GPTConfig
 
 TINY = dict(block_size=32, vocab_size=256, n_layer=2, n_head=2, n_embd=32)
 

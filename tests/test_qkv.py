@@ -50,7 +50,7 @@ def test_fp32_accuracy():
     eag, ez_g, _ = grads_of(lambda *a: eager.qkv_projection(*a, 4), (x, w, b), g)
     for f, e, r in zip(fused, eag, refs):
         assert_within_eager_error(f, e, r, 1e-5, "q/k/v")
-    for name, f, e, r in zip("x w b".split(), fz_g, ez_g, ref_g):
+    for name, f, e, r in zip(["x", "w", "b"], fz_g, ez_g, ref_g):
         assert_within_eager_error(f, e, r, 1e-4, f"d{name}")
 
 
@@ -87,5 +87,5 @@ def test_gpu_bf16_accuracy(B, T, C, H):
     eag, ez_g, _ = grads_of(lambda *a: eager.qkv_projection(*a, H), (x, w, b), g)
     for f, e, r in zip(fused, eag, refs):
         assert_within_eager_error(f, e, r, 1e-2, "q/k/v")
-    for name, f, e, r in zip("x w b".split(), fz_g, ez_g, ref_g):
+    for name, f, e, r in zip(["x", "w", "b"], fz_g, ez_g, ref_g):
         assert_within_eager_error(f, e, r, 1e-2, f"d{name}")

@@ -7,6 +7,6 @@ from fusedtrain.ops.linear_gelu import fused_mlp, linear_gelu
 from fusedtrain.ops.qkv import qkv_projection
 
 __all__ = [
-    "add_layer_norm", "flash_attention", "fused_mlp", "layer_norm", "layer_norm_gelu", "linear_gelu",
-    "qkv_projection",
+    "add_layer_norm", "flash_attention", "fused_mlp", "layer_norm", "layer_norm_gelu",
+    "linear_gelu", "qkv_projection",
 ]

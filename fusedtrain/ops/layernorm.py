@@ -147,7 +147,7 @@ def layer_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None,
 
 def add_layer_norm(x: Tensor, residual: Tensor, weight: Tensor | None, bias: Tensor | None,
                    eps: float = 1e-5) -> tuple[Tensor, Tensor]:
-    """s = x + residual; returns (layer_norm(s), s), computed in one pass.  x, residual: (..., C)."""
+    """s = x + residual; returns (layer_norm(s), s) in one pass.  x, residual: (..., C)."""
     if residual is None:
         raise ValueError("residual must be a tensor; use layer_norm without one")
     out_dtype = _check(x, weight, bias, eps, residual)

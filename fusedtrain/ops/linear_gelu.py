@@ -88,7 +88,9 @@ def _(dy_shape, h_shape, *args, **kwargs) -> int:
 
 
 def _bias_grad(dh: Tensor, bias: Tensor | None) -> Tensor | None:
-    return None if bias is None else dh.sum(0, dtype=torch.float32).to(bias.dtype)
+    # PyTorch reduces low-precision tensors with an fp32 accumulator; asking for an fp32
+    # result instead would materialise an fp32 copy of dh (seen as extra peak memory).
+    return None if bias is None else dh.sum(0).to(bias.dtype)
 
 
 class LinearGELUFunction(torch.autograd.Function):
