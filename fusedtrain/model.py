@@ -127,7 +127,8 @@ class GPT(nn.Module):
     def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy.  idx, targets: (B, T)."""
         logits = self(idx)
-        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
 
     def num_params(self, non_embedding: bool = True) -> int:
         """Parameter count; with non_embedding, position embeddings are left out

@@ -11,7 +11,7 @@ import torch
 
 log = logging.getLogger("fusedtrain")
 
-if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
     log.warning("fusedtrain: no CUDA device, running the Triton kernels on the CPU "
                 "through Triton's interpreter (correct but slow)")

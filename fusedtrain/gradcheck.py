@@ -1,0 +1,166 @@
+"""Gradient checks as a run: op gradchecks in fp64, model-level fused-vs-eager gradients,
+and an accuracy report. Used by scripts/gradcheck.py and the test suite.
+
+The judging rule everywhere (DESIGN.md): the fused error against an fp64 oracle stays
+within 2x the eager op's own error in the same dtype, plus a small absolute tolerance.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from fusedtrain import eager
+from fusedtrain.model import GPT, GPTConfig
+
+F64 = torch.float64
+
+
+@dataclass
+class Result:
+    name: str
+    passed: bool
+    detail: str = ""
+
+
+def _rand(*shape, device="cpu", dtype=F64, grad=True, scale=1.0):
+    return (torch.randn(*shape, device=device, dtype=dtype) * scale).requires_grad_(grad)
+
+
+def op_cases(device: str) -> dict[str, list[tuple[str, Callable[[], tuple]]]]:
+    """Per kernel family: (case name, fn, input factory) at small odd shapes, fp64."""
+    from fusedtrain import ops
+
+    r = lambda *s, **k: _rand(*s, device=device, **k)  # noqa: E731
+    cases: dict[str, list] = {"mlp": [], "qkv": [], "attention": [], "layernorm": []}
+    for a in ("none", "tanh"):
+        cases["mlp"].append((f"linear_gelu[{a}]", lambda a=a: (
+            lambda x, w, b: ops.linear_gelu(x, w, b, a), (r(2, 5, 7), r(9, 7), r(9)))))
+        cases["mlp"].append((f"fused_mlp[{a}]", lambda a=a: (
+            lambda *t: ops.fused_mlp(*t, a), (r(5, 7), r(9, 7), r(9), r(6, 9), r(6)))))
+        cases["layernorm"].append((f"layer_norm_gelu[{a}]", lambda a=a: (
+            lambda *t: ops.layer_norm_gelu(*t, approximate=a), (r(3, 5, 13), r(13), r(13)))))
+    cases["qkv"].append(("qkv_projection", lambda: (
+        lambda *t: ops.qkv_projection(*t, 3), (r(2, 5, 12), r(36, 12), r(36)))))
+    for causal in (True, False):
+        cases["attention"].append((f"flash_attention[causal={causal}]", lambda c=causal: (
+            lambda *t: ops.flash_attention(*t, causal=c), (r(2, 2, 13, 16), r(2, 2, 13, 16),
+                                                           r(2, 2, 13, 16)))))
+    cases["layernorm"].append(("layer_norm", lambda: (
+        ops.layer_norm, (r(3, 5, 13), r(13), r(13)))))
+    cases["layernorm"].append(("add_layer_norm", lambda: (
+        ops.add_layer_norm, (r(3, 5, 13), r(3, 5, 13), r(13), r(13)))))
+    return cases
+
+
+def check_ops(kernels: dict[str, bool], device: str = "cpu") -> list[Result]:
+    """torch.autograd.gradcheck (fp64) of every op of every enabled family."""
+    results = []
+    for family, cases in op_cases(device).items():
+        if not kernels.get(family, False):
+            continue
+        for name, make in cases:
+            fn, inputs = make()
+            try:
+                ok = torch.autograd.gradcheck(fn, inputs, fast_mode=True, raise_exception=False)
+                results.append(Result(f"ops/{name}", bool(ok), "" if ok else "gradcheck failed"))
+            except Exception as e:  # a crash is a failure of that op, named
+                results.append(Result(f"ops/{name}", False, f"{type(e).__name__}: {e}"[:200]))
+    return results
+
+
+def _loss_and_grads(model: GPT, x: torch.Tensor, dtype: torch.dtype):
+    model.zero_grad(set_to_none=True)
+    use_amp = dtype in (torch.bfloat16, torch.float16)
+    with torch.autocast(x.device.type, dtype=dtype, enabled=use_amp):
+        loss = model.loss(x[:, :-1], x[:, 1:])
+    loss.backward()
+    return loss.detach().double(), {n: p.grad.detach().double()
+                                    for n, p in model.named_parameters()}
+
+
+def check_model(cfg: GPTConfig, dtype: torch.dtype, device: str, batch: int = 2,
+                seq: int | None = None, seed: int = 0, atol: float = 1e-6) -> list[Result]:
+    """The GPT with the enabled fused components against the all-eager GPT, same weights
+    and batch; errors measured against the all-eager model in fp64. Low-precision dtypes
+    run under autocast (fp32 weights), as training does."""
+    torch.manual_seed(seed)
+    eager_cfg = copy.deepcopy(cfg)
+    eager_cfg.kernels = dict.fromkeys(cfg.kernels, False)
+    eager_model = GPT(eager_cfg).to(device)
+    fused_model = GPT(cfg).to(device)
+    fused_model.load_state_dict(eager_model.state_dict())
+    seq = seq or min(cfg.block_size, 64)
+    x = torch.randint(0, cfg.vocab_size, (batch, seq + 1), device=device)
+    ref_loss, ref = _loss_and_grads(copy.deepcopy(eager_model).to(F64), x, F64)
+    param_dtype = F64 if dtype == F64 else torch.float32
+    e_loss, e = _loss_and_grads(eager_model.to(param_dtype), x, dtype)
+    f_loss, f = _loss_and_grads(fused_model.to(param_dtype), x, dtype)
+    results = []
+    for name, r, ee, ff in [("loss", ref_loss, e_loss, f_loss)] + [
+            (n, ref[n], e[n], f[n]) for n in ref]:
+        err_e = (ee - r).abs().max().item()
+        err_f = (ff - r).abs().max().item()
+        rel = err_f / max(r.abs().max().item(), 1e-30)
+        ok = err_f <= 2 * err_e + atol
+        results.append(Result(f"model[{str(dtype)[6:]}]/{name}", ok,
+                              f"fused {err_f:.2e}  eager {err_e:.2e}  rel {rel:.2e}"))
+    return results
+
+
+def accuracy_report(draws: int, device: str, dtype: torch.dtype, large: bool) -> dict:
+    """For each op: over `draws` fresh random inputs, the distribution (max, p99, mean) of
+    |fused - fp64 reference| next to the eager op's, for the forward output."""
+    from fusedtrain import ops
+
+    if large:
+        shapes = dict(mlp=(16384, 768, 3072), qkv=(16, 1024, 768, 12),
+                      attn=(16, 12, 1024, 64), ln=(16384, 768))
+    else:
+        shapes = dict(mlp=(113, 72, 130), qkv=(2, 37, 48, 4), attn=(1, 2, 113, 32), ln=(113, 96))
+    M, K, N = shapes["mlp"]
+    B, T, C, H = shapes["qkv"]
+    b_, h_, t_, d_ = shapes["attn"]
+    Ml, Cl = shapes["ln"]
+    r = lambda *s, scale=1.0: _rand(*s, device=device, dtype=torch.float32, grad=False,  # noqa
+                                    scale=scale)
+    makers = {
+        "linear_gelu": ("linear_gelu", lambda: (r(M, K), r(N, K, scale=K ** -0.5), r(N))),
+        "fused_mlp": ("fused_mlp", lambda: (r(M, K), r(N, K, scale=K ** -0.5), r(N),
+                                            r(K, N, scale=N ** -0.5), r(K))),
+        "qkv_projection": ("qkv_projection", lambda: (r(B, T, C), r(3 * C, C, scale=C ** -0.5),
+                                                      r(3 * C), H)),
+        "flash_attention": ("flash_attention", lambda: (r(b_, h_, t_, d_), r(b_, h_, t_, d_),
+                                                        r(b_, h_, t_, d_))),
+        "layer_norm": ("layer_norm", lambda: (r(Ml, Cl), 1 + r(Cl, scale=0.1),
+                                              r(Cl, scale=0.1))),
+        "add_layer_norm": ("add_layer_norm", lambda: (r(Ml, Cl), r(Ml, Cl), 1 + r(Cl, scale=0.1),
+                                                      r(Cl, scale=0.1))),
+        "layer_norm_gelu": ("layer_norm_gelu", lambda: (r(Ml, Cl), 1 + r(Cl, scale=0.1),
+                                                        r(Cl, scale=0.1))),
+    }
+    report = {}
+    for op_name, (fn_name, make) in makers.items():
+        errs = {"fused": [], "eager": []}
+        for _ in range(draws):
+            args = make()
+            low = [a.to(dtype) if isinstance(a, torch.Tensor) else a for a in args]
+            ref = getattr(eager, fn_name)(*[a.double() if isinstance(a, torch.Tensor) else a
+                                            for a in args])
+            for impl, mod in (("fused", ops), ("eager", eager)):
+                out = getattr(mod, fn_name)(*low)
+                outs = out if isinstance(out, tuple) else (out,)
+                refs = ref if isinstance(ref, tuple) else (ref,)
+                errs[impl].append(torch.cat([(o.double() - rr).abs().flatten()
+                                             for o, rr in zip(outs, refs)]).cpu())
+        report[op_name] = {impl: _summary(torch.cat(v)) for impl, v in errs.items()}
+    return report
+
+
+def _summary(err: torch.Tensor) -> dict:
+    sample = err if err.numel() <= 1 << 24 else err[torch.randperm(err.numel())[: 1 << 24]]
+    return {"max": err.max().item(), "p99": sample.quantile(0.99).item(),
+            "mean": err.mean().item()}

@@ -1,0 +1,49 @@
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import ROOT
+
+from fusedtrain import gradcheck as G
+from fusedtrain.model import KERNEL_FAMILIES, GPTConfig
+from fusedtrain.ops import layernorm as ln_ops
+
+TINY = dict(block_size=16, vocab_size=64, n_layer=2, n_head=2, n_embd=32)
+ALL = dict.fromkeys(KERNEL_FAMILIES, True)
+
+
+def test_ops_and_model_parts_pass():
+    results = G.check_ops(ALL) + G.check_model(GPTConfig(**TINY, kernels=ALL), torch.float32,
+                                                "cpu")
+    failed = [r.name for r in results if not r.passed]
+    assert not failed
+    assert any(r.name.startswith("ops/flash_attention") for r in results)
+    assert any(r.name.endswith("mlp.c_fc.weight") for r in results)
+
+
+def test_a_wrong_gradient_fails_and_is_named(monkeypatch):
+    original = ln_ops.LayerNormFunction.backward
+
+    def scaled(ctx, dy):
+        dx, *rest = original(ctx, dy)
+        return (dx * 1.5, *rest)
+
+    monkeypatch.setattr(ln_ops.LayerNormFunction, "backward", staticmethod(scaled))
+    kernels = {**dict.fromkeys(KERNEL_FAMILIES, False), "layernorm": True}
+    failed = [r.name for r in G.check_ops(kernels) if not r.passed]
+    assert "ops/layer_norm" in failed
+    model_failed = [r.name for r in G.check_model(GPTConfig(**TINY, kernels=kernels),
+                                                  torch.float32, "cpu") if not r.passed]
+    assert model_failed  # parameters upstream of the wrong LayerNorm gradient
+
+
+@pytest.mark.parametrize("family", ["layernorm"])
+def test_script_summary_and_exit_code(tmp_path, family):
+    off = [f"model.kernels.{k}=false" for k in KERNEL_FAMILIES if k != family]
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "gradcheck.py"),
+                        f"hydra.run.dir={tmp_path}", *off], capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert r.stdout.strip().splitlines()[-1].startswith("gradcheck: ")
+    assert ", 0 failed" in r.stdout
