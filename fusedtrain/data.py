@@ -281,6 +281,14 @@ class TokenDataModule(L.LightningDataModule):
         self.train_set: RandomWindows | None = None
         self.val_set: RandomWindows | None = None
 
+    def state_dict(self) -> dict:
+        """The position in the sample stream, so a resume continues where it stopped."""
+        step = self.trainer.global_step if self.trainer is not None else 0
+        return {"start_sample": step * self.cfg.batch_size}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.start_sample = int(state["start_sample"])
+
     def prepare_data(self) -> None:
         if self.cfg.source != "synthetic":
             build_token_cache(self.cfg)

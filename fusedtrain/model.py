@@ -130,6 +130,22 @@ class GPT(nn.Module):
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
 
+    @classmethod
+    def from_pretrained(cls, path: str, kernels: dict[str, bool] | None = None,
+                        eager_attention: str | None = None) -> GPT:
+        """A GPT from a safetensors file written by scripts/export.py, built fused or
+        eager (`kernels`; default all eager): both paths share parameter names."""
+        from fusedtrain.checkpoint import load_safetensors
+
+        state, cfg = load_safetensors(path)
+        if kernels is not None:
+            cfg["kernels"] = kernels
+        if eager_attention is not None:
+            cfg["eager_attention"] = eager_attention
+        model = cls(GPTConfig(**cfg))
+        model.load_state_dict(state)
+        return model
+
     def num_params(self, non_embedding: bool = True) -> int:
         """Parameter count; with non_embedding, position embeddings are left out
         (the token embedding stays: it is the head's weight too)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 import time
 from dataclasses import dataclass
 
@@ -57,6 +58,10 @@ def lr_multiplier(step: int, warmup: int, total: int, min_ratio: float) -> float
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+class NonFiniteLossError(RuntimeError):
+    """The training loss became NaN or infinite."""
+
+
 class GPTModule(L.LightningModule):
     def __init__(self, model_cfg: GPTConfig, optim_cfg: OptimConfig, max_steps: int,
                  compile: bool = False):
@@ -66,13 +71,35 @@ class GPTModule(L.LightningModule):
         self.model_cfg, self.optim_cfg, self.max_steps = model_cfg, optim_cfg, max_steps
         self.model = GPT(model_cfg)
         self.compile = compile
-        self._step_model = torch.compile(self.model) if compile else self.model
+        # Kept out of the module tree, so checkpoints hold the parameters once, under
+        # `model.`, whether or not the model was compiled.
+        self.__dict__["_step_model"] = torch.compile(self.model) if compile else self.model
 
     def training_step(self, batch, batch_idx):
         x, y = batch
         loss = self._step_model.loss(x, y)
+        if not torch.isfinite(loss):
+            raise NonFiniteLossError(
+                f"non-finite training loss ({loss.item()}) at step {self.global_step}; "
+                f"stopping, the last good checkpoint is kept")
         self.log("train/loss", loss, prog_bar=True)
         return loss
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["rng"] = {"torch": torch.get_rng_state(),
+                             "cuda": torch.cuda.get_rng_state_all()
+                             if torch.cuda.is_available() else [],
+                             "python": list(random.getstate()[1])}
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        rng = checkpoint.get("rng")
+        if rng is None:
+            return
+        torch.set_rng_state(rng["torch"])
+        if rng["cuda"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
+        state = random.getstate()
+        random.setstate((state[0], tuple(rng["python"]), state[2]))
 
     def validation_step(self, batch, batch_idx):
         x, y = batch
@@ -91,6 +118,20 @@ class GPTModule(L.LightningModule):
             opt, lambda s: lr_multiplier(s, o.warmup_steps, self.max_steps, o.min_lr_ratio)
         )
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class SaveOnInterrupt(L.Callback):
+    """On SIGINT / SIGTERM (or any other crash but a non-finite loss), write last.ckpt
+    before the process exits, so a resume loses nothing."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        if isinstance(exception, NonFiniteLossError) or trainer.global_step == 0:
+            return
+        trainer.save_checkpoint(self.path)
+        print(f"interrupted at step {trainer.global_step}: saved {self.path}", flush=True)
 
 
 class ThroughputMonitor(L.Callback):

@@ -14,27 +14,41 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from omegaconf import DictConfig, OmegaConf
 
+from fusedtrain.checkpoint import CheckpointError, SafeCheckpointIO, load_checkpoint
 from fusedtrain.config import ConfigError, build_run_config
 from fusedtrain.data import TokenDataModule
-from fusedtrain.module import GPTModule, ThroughputMonitor
+from fusedtrain.module import GPTModule, NonFiniteLossError, SaveOnInterrupt, ThroughputMonitor
 
 log = logging.getLogger("fusedtrain")
 
 
 def resolve_ckpt(ckpt_path: str | None, run_dir: Path) -> str | None:
-    """'last' -> this run dir's last.ckpt, else the newest last.ckpt under outputs/."""
+    """'last' -> this run dir's last.ckpt, else the newest last.ckpt under outputs/.
+    The checkpoint is verified (hash, safe load) before any training starts; a bad
+    'last' falls back to the newest good checkpoint beside it, named in the log."""
+    if ckpt_path is None:
+        return None
     if ckpt_path != "last":
-        if ckpt_path is not None and not Path(ckpt_path).is_file():
-            raise ConfigError(f"ckpt_path: no checkpoint at {ckpt_path!r}")
+        load_checkpoint(ckpt_path)  # raises CheckpointError naming the file
         return ckpt_path
     here = run_dir / "checkpoints" / "last.ckpt"
-    if here.is_file():
-        return str(here)
-    found = sorted(Path("outputs").glob("**/checkpoints/last.ckpt"),
-                   key=lambda p: p.stat().st_mtime)
+    found = [here] if here.is_file() else sorted(
+        Path("outputs").glob("**/checkpoints/last.ckpt"), key=lambda p: p.stat().st_mtime)
     if not found:
         raise ConfigError("ckpt_path=last: no last.ckpt in this run dir or under outputs/")
-    return str(found[-1])
+    last = found[-1]
+    candidates = [last] + sorted((p for p in last.parent.glob("*.ckpt") if p != last),
+                                 key=lambda p: p.stat().st_mtime, reverse=True)
+    for cand in candidates:
+        try:
+            load_checkpoint(cand)
+        except CheckpointError as e:
+            log.warning("%s", e)
+            continue
+        if cand != last:
+            log.warning("resuming from %s instead", cand)
+        return str(cand)
+    raise CheckpointError(f"ckpt_path=last: no loadable checkpoint in {last.parent}")
 
 
 def train(cfg: DictConfig) -> dict:
@@ -57,15 +71,17 @@ def train(cfg: DictConfig) -> dict:
                                  run.seed, max_steps)
     module = GPTModule(run.model, run.optim, max_steps, compile=run.compile)
     throughput = ThroughputMonitor(skip_steps=run.throughput_skip_steps)
-    checkpoints = ModelCheckpoint(dirpath=run_dir / "checkpoints", filename="step{step}",
+    ckpt_dir = run_dir / "checkpoints"
+    checkpoints = ModelCheckpoint(dirpath=str(ckpt_dir), filename="step{step}",
                                   auto_insert_metric_name=False, save_last=True,
                                   monitor="val/loss", save_top_k=1)
+    ckpt_path = resolve_ckpt(run.ckpt_path, run_dir)
     trainer = L.Trainer(
         default_root_dir=run_dir, logger=CSVLogger(run_dir, name="", version=""),
-        callbacks=[throughput, checkpoints], **trainer_kwargs,
+        callbacks=[throughput, checkpoints, SaveOnInterrupt(str(ckpt_dir / "last.ckpt"))],
+        plugins=[SafeCheckpointIO()], **trainer_kwargs,
     )
-    trainer.fit(module, datamodule=datamodule,
-                ckpt_path=resolve_ckpt(run.ckpt_path, run_dir))
+    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
 
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     summary = {
@@ -91,6 +107,9 @@ def main(cfg: DictConfig) -> None:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         sys.exit(2)
+    except (CheckpointError, NonFiniteLossError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(3)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,154 @@
+"""Safe checkpoints: one loader that never runs code (torch.load(weights_only=True)),
+atomic writes with a SHA-256 sidecar, and safetensors weight export.
+
+A training checkpoint is something people download and share; a pickle that executes
+code on load is the classic hole. Every checkpoint load in the project goes through
+`load_checkpoint`, Lightning's included (through `SafeCheckpointIO`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import pickle
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+log = logging.getLogger("fusedtrain")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, corrupted, truncated or holds disallowed objects."""
+
+
+def sha256_of(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _sidecar(path: Path) -> Path:
+    return path.with_name(path.name + ".sha256")
+
+
+def _atomic_write(path: Path, write) -> None:
+    """write(f) into a temporary file beside path, fsync, then rename over path."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def save_checkpoint(obj: dict, path: str | Path) -> None:
+    """torch.save atomically (a kill mid-save leaves the previous file intact), then the
+    SHA-256 sidecar, also atomically."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _atomic_write(path, lambda f: torch.save(obj, f))
+    digest = sha256_of(path)
+    _atomic_write(_sidecar(path), lambda f: f.write(f"{digest}  {path.name}\n".encode()))
+
+
+def load_checkpoint(path: str | Path, map_location: Any = "cpu") -> dict:
+    """Verify the content hash, then torch.load(weights_only=True): tensors, containers and
+    primitives only, no code runs. Raises CheckpointError naming the file otherwise."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"no checkpoint at {str(path)!r}")
+    sidecar = _sidecar(path)
+    if sidecar.is_file():
+        expected = sidecar.read_text().split()[0]
+        if sha256_of(path) != expected:
+            raise CheckpointError(
+                f"checkpoint {str(path)!r} is corrupted or truncated: its SHA-256 does not "
+                f"match {sidecar.name}")
+    else:
+        log.warning("checkpoint %s has no %s sidecar: loading without an integrity check",
+                    path, sidecar.name)
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} was refused: it holds objects other than tensors and "
+            f"plain data, which could run code on load ({first})") from e
+    except (RuntimeError, EOFError, zipfile.BadZipFile, OSError) as e:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} is unreadable (truncated or corrupted): {e}") from e
+
+
+class SafeCheckpointIO(TorchCheckpointIO):
+    """Lightning's checkpoint I/O through the atomic writer and the safe loader."""
+
+    def save_checkpoint(self, checkpoint: dict, path, storage_options=None) -> None:
+        save_checkpoint(checkpoint, path)
+
+    def load_checkpoint(self, path, map_location=None, weights_only=None) -> dict:
+        return load_checkpoint(path, map_location or "cpu")
+
+    def remove_checkpoint(self, path) -> None:
+        super().remove_checkpoint(path)
+        _sidecar(Path(path)).unlink(missing_ok=True)
+
+
+def model_state_from_checkpoint(ckpt: dict) -> tuple[dict[str, torch.Tensor], dict]:
+    """(GPT state_dict, model config dict) from a Lightning checkpoint of GPTModule,
+    with any torch.compile `_orig_mod.` prefix removed."""
+    try:
+        cfg = ckpt["hyper_parameters"]["model"]
+        state = ckpt["state_dict"]
+    except KeyError as e:
+        raise CheckpointError(f"not a fusedtrain training checkpoint: missing {e}") from e
+    out = {}
+    for k, v in state.items():
+        k = k.removeprefix("model.").replace("_orig_mod.", "")
+        if k.startswith("_step_model."):
+            continue  # the compiled wrapper's view of the same parameters
+        out[k] = v
+    return out, cfg
+
+
+def export_safetensors(state: dict[str, torch.Tensor], config: dict, out: str | Path) -> None:
+    """Weights and the model config (as metadata) in a safetensors file."""
+    from safetensors.torch import save_file
+
+    tensors = {k: v.contiguous() for k, v in state.items()}
+    out = Path(out)
+    _atomic_write(out, lambda f: f.write(b""))  # fail early on an unwritable path
+    save_file(tensors, str(out), metadata={"fusedtrain_config": json.dumps(config)})
+
+
+def load_safetensors(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file, safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"no weights file at {str(path)!r}")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+        state = load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"weights file {str(path)!r} is unreadable: {e}") from e
+    if "fusedtrain_config" not in meta:
+        raise CheckpointError(f"{str(path)!r} carries no fusedtrain_config metadata")
+    return state, json.loads(meta["fusedtrain_config"])

@@ -1,0 +1,123 @@
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from conftest import ROOT
+
+from fusedtrain.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from fusedtrain.model import GPT, KERNEL_FAMILIES
+
+TRAIN = [sys.executable, str(ROOT / "scripts" / "train.py")]
+
+
+def _run(args, tmp_path, timeout=600, prefix=None):
+    cmd = (prefix or TRAIN) + [f"data.cache_dir={tmp_path / 'cache'}", "data.max_files=20",
+                               "fused=false", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=tmp_path,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def _final_loss(run_dir):
+    import csv
+
+    with open(run_dir / "metrics.csv") as f:
+        rows = [r for r in csv.DictReader(f) if r.get("train/loss")]
+    return rows[-1]["step"], float(rows[-1]["train/loss"])
+
+
+class _Evil:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_malicious_pickle_is_refused_without_side_effect(tmp_path):
+    marker = tmp_path / "pwned"
+    path = tmp_path / "evil.ckpt"
+    with open(path, "wb") as f:
+        pickle.dump({"state_dict": _Evil(str(marker))}, f)
+    with pytest.raises(CheckpointError, match="refused"):
+        load_checkpoint(path)
+    assert not marker.exists()
+    # The same payload inside a torch.save zip is refused as well.
+    torch.save({"state_dict": _Evil(str(marker))}, tmp_path / "evil2.ckpt")
+    marker.unlink(missing_ok=True)
+    with pytest.raises(CheckpointError, match="refused"):
+        load_checkpoint(tmp_path / "evil2.ckpt")
+    assert not marker.exists()
+
+
+def test_truncated_and_bit_flipped_are_reported(tmp_path):
+    path = tmp_path / "a.ckpt"
+    save_checkpoint({"w": torch.randn(1000), "step": 3}, path)
+    assert load_checkpoint(path)["step"] == 3
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="corrupted or truncated"):
+        load_checkpoint(path)
+    flipped = bytearray(data)
+    flipped[len(data) // 2] ^= 0x10
+    path.write_bytes(bytes(flipped))
+    with pytest.raises(CheckpointError, match="a.ckpt"):
+        load_checkpoint(path)
+    (tmp_path / "a.ckpt.sha256").unlink()  # without the sidecar: still a clear error
+    path.write_bytes(data[: len(data) // 3])
+    with pytest.raises(CheckpointError, match="unreadable"):
+        load_checkpoint(path)
+
+
+def test_train_export_and_load_fused_or_eager(tmp_path):
+    r = _run(["trainer.max_steps=6", "trainer.val_check_interval=3",
+              f"hydra.run.dir={tmp_path}"], tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    ckpt = tmp_path / "checkpoints" / "last.ckpt"
+    raw = load_checkpoint(ckpt)
+    assert not any(k.startswith("_step_model") for k in raw["state_dict"])
+    out = tmp_path / "model.safetensors"
+    e = subprocess.run([sys.executable, str(ROOT / "scripts" / "export.py"), f"ckpt={ckpt}",
+                        f"out={out}"], capture_output=True, text=True, timeout=120)
+    assert e.returncode == 0, e.stderr
+    x = torch.randint(0, 256, (2, 16))
+    eager_model = GPT.from_pretrained(str(out))
+    fused_model = GPT.from_pretrained(str(out), kernels=dict.fromkeys(KERNEL_FAMILIES, True))
+    torch.testing.assert_close(fused_model(x), eager_model(x), rtol=1e-4, atol=1e-5)
+    state = {k.removeprefix("model."): v for k, v in raw["state_dict"].items()}
+    for k, v in eager_model.state_dict().items():
+        assert torch.equal(v, state[k]), k
+
+
+def test_sigkill_then_resume_matches_an_uninterrupted_run(tmp_path):
+    common = ["trainer.max_steps=30", "trainer.val_check_interval=5",
+              "trainer.limit_val_batches=1", "trainer.log_every_n_steps=1"]
+    full, killed = tmp_path / "full", tmp_path / "killed"
+    assert _run(common + [f"hydra.run.dir={full}"], tmp_path).returncode == 0
+    # Kill the second run with SIGKILL right after step 17 (checkpoint of step 15 on disk).
+    killer = [sys.executable, "-c", textwrap.dedent(f"""
+        import os, signal, runpy, sys
+        from fusedtrain.module import GPTModule
+        def die(self, outputs, batch, batch_idx):
+            if self.global_step >= 17:
+                os.kill(os.getpid(), signal.SIGKILL)
+        GPTModule.on_train_batch_end = die
+        sys.argv = [{str(ROOT / 'scripts' / 'train.py')!r}] + sys.argv[1:]
+        runpy.run_path(sys.argv[0], run_name="__main__")
+    """)]
+    r = _run(common + [f"hydra.run.dir={killed}"], tmp_path, prefix=killer)
+    assert r.returncode == -9, r.stderr[-2000:]
+    r = _run(common + [f"hydra.run.dir={killed}", "ckpt_path=last"], tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "done: 30 steps" in r.stdout
+    assert _final_loss(killed) == _final_loss(full)
+
+
+def test_bad_checkpoint_path_is_named(tmp_path):
+    r = _run([f"hydra.run.dir={tmp_path}", f"ckpt_path={tmp_path / 'nope.ckpt'}"], tmp_path,
+             timeout=120)
+    assert r.returncode != 0
+    assert "nope.ckpt" in r.stderr
