@@ -171,6 +171,30 @@ def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_
     return pid_m, pid_n
 
 
+@device_fn
+def gemm_tile(a_ptr, b_ptr, M, N, K, s_am, s_ak, s_bk, s_bn,
+              ACC: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+              B_GELU: tl.constexpr = False, APPROX: tl.constexpr = 0):
+    """This program's output tile of C = A @ B (A: (M, K), B: (K, N), any strides):
+    returns (acc, offs_m, offs_n, mask), the fp32 (fp64) accumulator ready for an epilogue."""
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, ACC)
+    acc = matmul_acc(acc, a_ptr, b_ptr, offs_m.to(tl.int64) * s_am, offs_n.to(tl.int64) * s_bn,
+                     offs_m < M, offs_n < N, 1, K, 0, s_ak, 0, s_bk, BLOCK_K, PRECISION,
+                     B_GELU, APPROX)
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    return acc, offs_m, offs_n, mask
+
+
+@device_fn
+def tile_ptrs(ptr, offs_m, offs_n, s_m, s_n):
+    """Pointers of a (rows, cols) tile of a strided 2-D tensor, int64 offsets."""
+    return ptr + offs_m.to(tl.int64)[:, None] * s_m + offs_n.to(tl.int64)[None, :] * s_n
+
+
 def gemm_configs() -> list[triton.Config]:
     """Hopper-leaning GEMM tilings for the autotuner (bf16/fp16; the fp32 ones that do
     not fit in shared memory are skipped by the autotuner)."""

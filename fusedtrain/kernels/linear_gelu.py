@@ -27,8 +27,8 @@ from fusedtrain.kernels._common import (
     gelu,
     gelu_grad,
     gemm_configs,
-    grouped_tile,
-    matmul_acc,
+    gemm_tile,
+    tile_ptrs,
 )
 
 
@@ -41,22 +41,17 @@ def _linear_gelu_fwd_kernel(
     ACC: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = offs_m.to(tl.int64)[:, None]
-    cols = offs_n.to(tl.int64)[None, :]
-    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, ACC)
     # B[k, n] = W[n, k]: the transpose is only a choice of strides.
-    acc = matmul_acc(acc, x_ptr, w_ptr, offs_m.to(tl.int64) * s_xm, offs_n.to(tl.int64) * s_wn,
-                     offs_m < M, offs_n < N, 1, K, 0, s_xk, 0, s_wk, BLOCK_K, PRECISION)
+    acc, offs_m, offs_n, mask = gemm_tile(x_ptr, w_ptr, M, N, K, s_xm, s_xk, s_wk, s_wn, ACC,
+                                          PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(ACC)[None, :]
     if STORE_H:
-        tl.store(h_ptr + rows * s_hm + cols * s_hn, acc.to(h_ptr.dtype.element_ty), mask=mask)
+        tl.store(tile_ptrs(h_ptr, offs_m, offs_n, s_hm, s_hn), acc.to(h_ptr.dtype.element_ty),
+                 mask=mask)
     y = gelu(acc, APPROX)
-    tl.store(y_ptr + rows * s_ym + cols * s_yn, y.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(tile_ptrs(y_ptr, offs_m, offs_n, s_ym, s_yn), y.to(y_ptr.dtype.element_ty),
+             mask=mask)
 
 
 @autotune(gemm_configs(), key=["M", "N", "K"], interpret=INTERPRET_GEMM)
@@ -67,18 +62,12 @@ def _matmul_dgelu_kernel(
     APPROX: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, ACC)
-    acc = matmul_acc(acc, dy_ptr, w_ptr, offs_m.to(tl.int64) * s_dym, offs_n.to(tl.int64) * s_wn,
-                     offs_m < M, offs_n < N, 1, K, 0, s_dyk, 0, s_wk, BLOCK_K, PRECISION)
-    rows = offs_m.to(tl.int64)[:, None]
-    cols = offs_n.to(tl.int64)[None, :]
-    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    h = tl.load(h_ptr + rows * s_hm + cols * s_hn, mask=mask, other=0.0).to(ACC)
+    acc, offs_m, offs_n, mask = gemm_tile(dy_ptr, w_ptr, M, N, K, s_dym, s_dyk, s_wk, s_wn,
+                                          ACC, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+    h = tl.load(tile_ptrs(h_ptr, offs_m, offs_n, s_hm, s_hn), mask=mask, other=0.0).to(ACC)
     dh = acc * gelu_grad(h, APPROX)
-    tl.store(dh_ptr + rows * s_dhm + cols * s_dhn, dh.to(dh_ptr.dtype.element_ty), mask=mask)
+    tl.store(tile_ptrs(dh_ptr, offs_m, offs_n, s_dhm, s_dhn), dh.to(dh_ptr.dtype.element_ty),
+             mask=mask)
 
 
 @autotune(gemm_configs(), key=["M", "N", "K"], interpret=INTERPRET_GEMM)
@@ -89,16 +78,11 @@ def _matmul_gelu_rhs_kernel(
     APPROX: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, ACC)
-    acc = matmul_acc(acc, a_ptr, h_ptr, offs_m.to(tl.int64) * s_am, offs_n.to(tl.int64) * s_hn,
-                     offs_m < M, offs_n < N, 1, K, 0, s_ak, 0, s_hk, BLOCK_K, PRECISION,
-                     B_GELU=True, APPROX=APPROX)
-    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * s_cm + offs_n.to(tl.int64)[None, :] * s_cn
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+    acc, offs_m, offs_n, mask = gemm_tile(a_ptr, h_ptr, M, N, K, s_am, s_ak, s_hk, s_hn, ACC,
+                                          PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                                          B_GELU=True, APPROX=APPROX)
+    tl.store(tile_ptrs(c_ptr, offs_m, offs_n, s_cm, s_cn), acc.to(c_ptr.dtype.element_ty),
+             mask=mask)
 
 
 @triton.jit
