@@ -44,3 +44,19 @@ def grads_of(fn, inputs, grad_out=None):
                          for o in outs)
     torch.autograd.backward(outs, [g.to(o.dtype).to(o.device) for g, o in zip(grad_out, outs)])
     return outs, [t.grad if t is not None and t.requires_grad else None for t in leaves], grad_out
+
+
+def check_against_oracle(fused_fn, eager_fn, inputs, atol: float, grad_atol: float | None = None,
+                         what: str = ""):
+    """Outputs and input gradients of fused_fn within DESIGN.md's rule, with eager_fn on the
+    same inputs as the peer and eager_fn in fp64 as the oracle (same upstream gradient)."""
+    ref_in = [t.detach().double().requires_grad_() if isinstance(t, torch.Tensor) else t
+              for t in inputs]
+    refs, ref_g, g = grads_of(eager_fn, ref_in)
+    fused, fz_g, _ = grads_of(fused_fn, inputs, g)
+    eag, ez_g, _ = grads_of(eager_fn, inputs, g)
+    for i, (f, e, r) in enumerate(zip(fused, eag, refs)):
+        assert_within_eager_error(f, e, r, atol, f"{what} output {i}")
+    for i, (f, e, r) in enumerate(zip(fz_g, ez_g, ref_g)):
+        if r is not None:
+            assert_within_eager_error(f, e, r, grad_atol or atol, f"{what} grad of input {i}")

@@ -1,6 +1,6 @@
 import pytest
 import torch
-from conftest import assert_within_eager_error, grads_of
+from conftest import assert_within_eager_error, check_against_oracle, grads_of
 from torch.autograd import gradcheck
 
 from fusedtrain import eager, ops
@@ -23,13 +23,8 @@ def test_gradcheck(causal):
 def test_fp32_accuracy(T, D, causal):
     B, H = (1, 1) if T > 500 else (2, 2)
     q, k, v = (t.detach().float().requires_grad_() for t in _qkv(B, H, T, D))
-    ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    (ref,), ref_g, g = grads_of(lambda *a: eager.flash_attention(*a, causal), ref_in)
-    (fz,), fz_g, _ = grads_of(lambda *a: ops.flash_attention(*a, causal), (q, k, v), g)
-    (ez,), ez_g, _ = grads_of(lambda *a: eager.flash_attention(*a, causal), (q, k, v), g)
-    assert_within_eager_error(fz, ez, ref, 1e-5, "o")
-    for name, f, e, r in zip("qkv", fz_g, ez_g, ref_g):
-        assert_within_eager_error(f, e, r, 1e-5, f"d{name}")
+    check_against_oracle(lambda *a: ops.flash_attention(*a, causal),
+                         lambda *a: eager.flash_attention(*a, causal), (q, k, v), 1e-5)
 
 
 def test_large_logits_stay_finite():
@@ -83,14 +78,11 @@ def test_bad_inputs():
 def test_gpu_bf16_accuracy_and_determinism(B, H, T, D, causal):
     q, k, v = (t.detach().cuda().bfloat16().requires_grad_()
                for t in _qkv(B, H, T, D, dtype=torch.float32))
-    ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    (ref,), ref_g, g = grads_of(lambda *a: eager.flash_attention(*a, causal), ref_in)
-    (fz,), fz_g, _ = grads_of(lambda *a: ops.flash_attention(*a, causal), (q, k, v), g)
-    (ez,), ez_g, _ = grads_of(lambda *a: eager.flash_attention(*a, causal), (q, k, v), g)
-    assert_within_eager_error(fz, ez, ref, 1e-3, "o")
-    for name, f, e, r in zip("qkv", fz_g, ez_g, ref_g):
-        assert_within_eager_error(f, e, r, 1e-3, f"d{name}")
-    (fz2,), fz_g2, _ = grads_of(lambda *a: ops.flash_attention(*a, causal), (q, k, v), g)
-    assert torch.equal(fz, fz2)
-    for a, b in zip(fz_g, fz_g2):
+    check_against_oracle(lambda *a: ops.flash_attention(*a, causal),
+                         lambda *a: eager.flash_attention(*a, causal), (q, k, v), 1e-3)
+    # The same inputs twice give bit-identical outputs and gradients (no races).
+    (o1,), g1, g = grads_of(lambda *a: ops.flash_attention(*a, causal), (q, k, v))
+    (o2,), g2, _ = grads_of(lambda *a: ops.flash_attention(*a, causal), (q, k, v), g)
+    assert torch.equal(o1, o2)
+    for a, b in zip(g1, g2):
         assert torch.equal(a, b)

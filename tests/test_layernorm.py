@@ -1,6 +1,6 @@
 import pytest
 import torch
-from conftest import assert_within_eager_error, grads_of
+from conftest import check_against_oracle, grads_of
 from torch.autograd import gradcheck
 
 from fusedtrain import eager, ops
@@ -43,14 +43,7 @@ def test_fp32_accuracy_large_mean(C, op):
     inputs = list(_inputs((37, C), dtype=torch.float32, mean=1e3))
     if op == "add_layer_norm":
         inputs.insert(1, torch.randn(37, C).requires_grad_())
-    ref_in = [t.detach().double().requires_grad_() for t in inputs]
-    refs, ref_g, g = grads_of(getattr(eager, op), ref_in)
-    fused, fz_g, _ = grads_of(getattr(ops, op), inputs, g)
-    eag, ez_g, _ = grads_of(getattr(eager, op), inputs, g)
-    for f, e, r in zip(fused, eag, refs):
-        assert_within_eager_error(f, e, r, 1e-5, op)
-    for i, (f, e, r) in enumerate(zip(fz_g, ez_g, ref_g)):
-        assert_within_eager_error(f, e, r, 1e-3, f"{op} grad {i}")
+    check_against_oracle(getattr(ops, op), getattr(eager, op), inputs, 1e-5, 1e-3, op)
 
 
 def test_compile_fullgraph_matches_eager():
@@ -94,11 +87,4 @@ def test_gpu_bf16_accuracy(M, C, op):
               for t in _inputs((M, C), dtype=torch.float32)]
     if op == "add_layer_norm":
         inputs.insert(1, torch.randn(M, C, device="cuda").bfloat16().requires_grad_())
-    ref_in = [t.detach().double().requires_grad_() for t in inputs]
-    refs, ref_g, g = grads_of(getattr(eager, op), ref_in)
-    fused, fz_g, _ = grads_of(getattr(ops, op), inputs, g)
-    eag, ez_g, _ = grads_of(getattr(eager, op), inputs, g)
-    for f, e, r in zip(fused, eag, refs):
-        assert_within_eager_error(f, e, r, 1e-2, op)
-    for i, (f, e, r) in enumerate(zip(fz_g, ez_g, ref_g)):
-        assert_within_eager_error(f, e, r, 1e-2, f"{op} grad {i}")
+    check_against_oracle(getattr(ops, op), getattr(eager, op), inputs, 1e-2, 1e-2, op)

@@ -2,7 +2,7 @@ import itertools
 
 import pytest
 import torch
-from conftest import assert_within_eager_error, grads_of
+from conftest import check_against_oracle, grads_of
 from torch.autograd import gradcheck
 
 from fusedtrain import eager, ops
@@ -51,25 +51,15 @@ def test_linear_gelu_accuracy(dtype, atol, M, K, N, approximate):
     x = torch.randn(M, K)
     w, b = torch.randn(N, K) / K ** 0.5, torch.randn(N)
     inputs = [t.to(dtype).requires_grad_() for t in (x, w, b)]
-    ref_in = [t.detach().double().requires_grad_() for t in inputs]
-    (ref,), ref_g, g = grads_of(lambda *a: eager.linear_gelu(*a, approximate), ref_in)
-    (fz,), fz_g, _ = grads_of(lambda *a: ops.linear_gelu(*a, approximate), inputs, g)
-    (ez,), ez_g, _ = grads_of(lambda *a: eager.linear_gelu(*a, approximate), inputs, g)
-    assert_within_eager_error(fz, ez, ref, atol, "y")
-    for name, a, e, r in zip(["x", "w", "b"], fz_g, ez_g, ref_g):
-        assert_within_eager_error(a, e, r, atol * 10, f"d{name}")
+    check_against_oracle(lambda *a: ops.linear_gelu(*a, approximate),
+                         lambda *a: eager.linear_gelu(*a, approximate), inputs, atol, atol * 10)
 
 
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
 def test_fused_mlp_accuracy(dtype, atol):
     inputs = [t.detach().to(dtype).requires_grad_() for t in _mlp_inputs(113, 72, 130)]
-    ref_in = [t.detach().double().requires_grad_() for t in inputs]
-    (ref,), ref_g, g = grads_of(lambda *a: eager.fused_mlp(*a, "tanh"), ref_in)
-    (fz,), fz_g, _ = grads_of(lambda *a: ops.fused_mlp(*a, "tanh"), inputs, g)
-    (ez,), ez_g, _ = grads_of(lambda *a: eager.fused_mlp(*a, "tanh"), inputs, g)
-    assert_within_eager_error(fz, ez, ref, atol, "y")
-    for name, a, e, r in zip(["x", "w1", "b1", "w2", "b2"], fz_g, ez_g, ref_g):
-        assert_within_eager_error(a, e, r, atol * 10, f"d{name}")
+    check_against_oracle(lambda *a: ops.fused_mlp(*a, "tanh"),
+                         lambda *a: eager.fused_mlp(*a, "tanh"), inputs, atol, atol * 10)
 
 
 def _saved_activation_bytes(fn, inputs, params):
@@ -142,13 +132,8 @@ def test_gpu_bf16_accuracy(M, K, N):
     w1, b1 = torch.randn(N, K, device=dev) / K ** 0.5, torch.randn(N, device=dev)
     w2, b2 = torch.randn(K, N, device=dev) / N ** 0.5, torch.randn(K, device=dev)
     inputs = [t.bfloat16().requires_grad_() for t in (x, w1, b1, w2, b2)]
-    ref_in = [t.detach().double().requires_grad_() for t in inputs]
-    (ref,), ref_g, g = grads_of(lambda *a: eager.fused_mlp(*a, "tanh"), ref_in)
-    (fz,), fz_g, _ = grads_of(lambda *a: ops.fused_mlp(*a, "tanh"), inputs, g)
-    (ez,), ez_g, _ = grads_of(lambda *a: eager.fused_mlp(*a, "tanh"), inputs, g)
-    assert_within_eager_error(fz, ez, ref, 1e-2, "y")
-    for name, a, e, r in zip(["x", "w1", "b1", "w2", "b2"], fz_g, ez_g, ref_g):
-        assert_within_eager_error(a, e, r, 1e-2, f"d{name}")
+    check_against_oracle(lambda *a: ops.fused_mlp(*a, "tanh"),
+                         lambda *a: eager.fused_mlp(*a, "tanh"), inputs, 1e-2, 1e-2, "mlp")
 
 
 @pytest.mark.gpu

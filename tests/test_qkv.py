@@ -1,6 +1,6 @@
 import pytest
 import torch
-from conftest import assert_within_eager_error, grads_of
+from conftest import check_against_oracle, grads_of
 from torch.autograd import gradcheck
 
 from fusedtrain import eager, ops
@@ -44,14 +44,8 @@ def test_strided_x():
 
 def test_fp32_accuracy():
     x, w, b = (t.detach().float().requires_grad_() for t in _inputs(2, 203, 96))
-    ref_in = [t.detach().double().requires_grad_() for t in (x, w, b)]
-    refs, ref_g, g = grads_of(lambda *a: eager.qkv_projection(*a, 4), ref_in)
-    fused, fz_g, _ = grads_of(lambda *a: ops.qkv_projection(*a, 4), (x, w, b), g)
-    eag, ez_g, _ = grads_of(lambda *a: eager.qkv_projection(*a, 4), (x, w, b), g)
-    for f, e, r in zip(fused, eag, refs):
-        assert_within_eager_error(f, e, r, 1e-5, "q/k/v")
-    for name, f, e, r in zip(["x", "w", "b"], fz_g, ez_g, ref_g):
-        assert_within_eager_error(f, e, r, 1e-4, f"d{name}")
+    check_against_oracle(lambda *a: ops.qkv_projection(*a, 4),
+                         lambda *a: eager.qkv_projection(*a, 4), (x, w, b), 1e-5, 1e-4, "qkv")
 
 
 def test_compile_fullgraph_matches_eager():
@@ -81,11 +75,5 @@ def test_bad_inputs():
 def test_gpu_bf16_accuracy(B, T, C, H):
     x, w, b = (t.detach().cuda().bfloat16().requires_grad_()
                for t in _inputs(B, T, C, dtype=torch.float32))
-    ref_in = [t.detach().double().requires_grad_() for t in (x, w, b)]
-    refs, ref_g, g = grads_of(lambda *a: eager.qkv_projection(*a, H), ref_in)
-    fused, fz_g, _ = grads_of(lambda *a: ops.qkv_projection(*a, H), (x, w, b), g)
-    eag, ez_g, _ = grads_of(lambda *a: eager.qkv_projection(*a, H), (x, w, b), g)
-    for f, e, r in zip(fused, eag, refs):
-        assert_within_eager_error(f, e, r, 1e-2, "q/k/v")
-    for name, f, e, r in zip(["x", "w", "b"], fz_g, ez_g, ref_g):
-        assert_within_eager_error(f, e, r, 1e-2, f"d{name}")
+    check_against_oracle(lambda *a: ops.qkv_projection(*a, H),
+                         lambda *a: eager.qkv_projection(*a, H), (x, w, b), 1e-2, 1e-2, "qkv")
