@@ -7,6 +7,9 @@
       training steps (forward, backward, AdamW; bf16 autocast) for the variants eager-math,
       eager-sdpa, compile-sdpa, fused, compile-fused and the per-family ablation:
       tokens/s, step ms, MFU, peak memory -> DIR/train.json, DIR/train.png
+  python scripts/bench.py parity [--model tiny] [--steps 100] [--out DIR]
+      fused and eager trained from one seed on the same stdlib batches: overlaid loss
+      curves and the max |difference| -> DIR/parity.json, DIR/parity.png
 
 A table goes to stdout. Needs a CUDA GPU (the train part also runs on CPU for a smoke test).
 """
@@ -209,8 +212,23 @@ def train_variants(ablation: bool) -> dict[str, dict]:
     return v
 
 
+def training_batches(source: str, n: int, batch: int, seq: int, vocab: int,
+                     device: str) -> torch.Tensor:
+    """(n, batch, seq + 1) token windows: uniform random tokens, or windows of the
+    stdlib corpus (the same for every variant)."""
+    if source == "synthetic":
+        gen = torch.Generator(device=device).manual_seed(0)
+        return torch.randint(0, vocab, (n, batch, seq + 1), device=device, generator=gen)
+    from fusedtrain.data import DataConfig, RandomWindows, load_tokens
+
+    tokens = load_tokens(DataConfig(source=source, max_files=200), vocab, seed=0)
+    windows = RandomWindows(tokens, seq, seed=0, length=n * batch)
+    x = torch.stack([torch.cat([w[0], w[1][-1:]]) for w in (windows[i] for i in range(n * batch))])
+    return x.view(n, batch, seq + 1).to(device)
+
+
 def bench_train_variant(model_name: str, batch: int, seq: int, steps: int, warmup: int,
-                        variant: dict, device: str) -> dict:
+                        variant: dict, device: str, data_source: str = "synthetic") -> dict:
     from omegaconf import OmegaConf
 
     from fusedtrain.model import GPT, GPTConfig
@@ -225,9 +243,7 @@ def bench_train_variant(model_name: str, batch: int, seq: int, steps: int, warmu
     model = GPT(cfg).to(device)
     step_model = torch.compile(model) if variant["compile"] else model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
-    gen = torch.Generator(device=device).manual_seed(0)
-    data = torch.randint(0, cfg.vocab_size, (warmup + steps, batch, seq + 1), device=device,
-                         generator=gen)
+    data = training_batches(data_source, warmup + steps, batch, seq, cfg.vocab_size, device)
     amp = torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda")
 
     def step(i):
@@ -262,7 +278,7 @@ def bench_train_variant(model_name: str, batch: int, seq: int, steps: int, warmu
     peak = peak_flops() if device == "cuda" else None
     out = {"step_ms_median": median, "step_ms_p10": times_t.quantile(0.1).item(),
            "step_ms_p90": times_t.quantile(0.9).item(), "tokens_per_s": tokens_per_s,
-           "final_loss": losses[-1],
+           "final_loss": losses[-1], "losses": losses,
            "peak_mem_GiB": torch.cuda.max_memory_allocated() / 2 ** 30 if device == "cuda"
            else None}
     if peak is not None:
@@ -281,7 +297,7 @@ def run_train(args) -> dict:
         t0 = time.time()
         try:
             results[name] = bench_train_variant(args.model, args.batch, args.seq, args.steps,
-                                                args.warmup, v, device)
+                                                args.warmup, v, device, args.data)
         except torch.OutOfMemoryError as e:
             results[name] = {"error": f"out of memory: {str(e)[:100]}"}
         if device == "cuda":
@@ -297,6 +313,38 @@ def run_train(args) -> dict:
         if "tokens_per_s" in r:
             r["speedup_vs"] = {k: r["tokens_per_s"] / v for k, v in base.items()}
     return results
+
+
+def run_parity(args) -> dict:
+    """Fused and eager trained from the same seed on the same batches: loss curves."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    variants = train_variants(ablation=False)
+    curves = {}
+    for name in ("eager-sdpa", "fused"):
+        r = bench_train_variant(args.model, args.batch, args.seq, args.steps, 0,
+                                variants[name], device, args.data)
+        curves[name] = r["losses"]
+    diff = max(abs(a - b) for a, b in zip(curves["eager-sdpa"], curves["fused"]))
+    print(f"loss parity over {args.steps} steps: max |fused - eager| = {diff:.3g} "
+          f"(final eager {curves['eager-sdpa'][-1]:.4f}, fused {curves['fused'][-1]:.4f})")
+    return {"curves": curves, "max_abs_diff": diff}
+
+
+def plot_parity(result: dict, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for name, losses in result["curves"].items():
+        ax.plot(range(1, len(losses) + 1), losses, label=name, lw=1.2)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.set_title(f"{title}\nmax |fused - eager| = {result['max_abs_diff']:.3g}", fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def plot_train(results: dict, path: Path, title: str) -> None:
@@ -382,8 +430,25 @@ def main(argv=None) -> int:
     t.add_argument("--warmup", type=int, default=5)
     t.add_argument("--ablation", action="store_true", help="also fused minus one family")
     t.add_argument("--variants", nargs="+", help="run only these variants")
+    t.add_argument("--data", default="synthetic", choices=["synthetic", "stdlib"])
     t.add_argument("--out", default="results")
+    q = sub.add_parser("parity", help="fused vs eager loss curves, same seed and data")
+    q.add_argument("--model", default="tiny")
+    q.add_argument("--batch", type=int, default=8)
+    q.add_argument("--seq", type=int, default=64)
+    q.add_argument("--steps", type=int, default=100)
+    q.add_argument("--data", default="stdlib", choices=["synthetic", "stdlib"])
+    q.add_argument("--out", default="results")
     args = p.parse_args(argv)
+    if args.cmd == "parity":
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        result = run_parity(args)
+        (out / "parity.json").write_text(json.dumps(result, indent=1))
+        dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU, fp32"
+        plot_parity(result, out / "parity.png", f"{args.model}, B={args.batch}, T={args.seq}, "
+                    f"{args.data} data, {dev}")
+        return 0
     if args.cmd == "train":
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,31 @@
+import json
+import subprocess
+import sys
+
+from conftest import ROOT
+
+BENCH = [sys.executable, str(ROOT / "scripts" / "bench.py")]
+
+
+def test_train_benchmark_runs_on_the_tiny_model(tmp_path):
+    r = subprocess.run(BENCH + ["train", "--model", "tiny", "--batch", "2", "--seq", "16",
+                                "--steps", "2", "--warmup", "1", "--variants", "eager-math",
+                                "fused", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    results = json.loads((tmp_path / "train.json").read_text())["results"]
+    assert set(results) == {"eager-math", "fused"}
+    assert all(v["tokens_per_s"] > 0 for v in results.values())
+    assert results["fused"]["speedup_vs"]["eager-math"] > 0
+    assert (tmp_path / "train.png").stat().st_size > 0
+
+
+def test_loss_parity_on_the_tiny_model(tmp_path):
+    r = subprocess.run(BENCH + ["parity", "--batch", "2", "--seq", "16", "--steps", "4",
+                                "--data", "synthetic", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    result = json.loads((tmp_path / "parity.json").read_text())
+    assert len(result["curves"]["fused"]) == 4
+    assert result["max_abs_diff"] < 1e-4  # fp32 on CPU: same math, different kernels
+    assert (tmp_path / "parity.png").stat().st_size > 0
