@@ -26,6 +26,7 @@ class RunConfig:
     compile: bool
     ckpt_path: str | None
     throughput_skip_steps: int
+    deterministic: bool = False
 
 
 def _build(cls, section: str, values: dict):
@@ -54,4 +55,4 @@ def build_run_config(cfg: DictConfig) -> RunConfig:
         raise ConfigError(f"throughput_skip_steps must be a non-negative integer, got {skip!r}")
     return RunConfig(model=model, data=data, optim=optim, trainer=trainer, seed=int(c["seed"]),
                      compile=bool(c.get("compile", False)), ckpt_path=c.get("ckpt_path"),
-                     throughput_skip_steps=skip)
+                     throughput_skip_steps=skip, deterministic=bool(c.get("deterministic")))

@@ -63,6 +63,8 @@ def train(cfg: DictConfig) -> dict:
     if trainer_kwargs.get("precision") is None:
         on_gpu = torch.cuda.is_available() and trainer_kwargs.get("accelerator") != "cpu"
         trainer_kwargs["precision"] = "bf16-mixed" if on_gpu else "32-true"
+    if run.deterministic:
+        trainer_kwargs["deterministic"] = True
     max_steps = trainer_kwargs["max_steps"]
     if trainer_kwargs.get("limit_val_batches") == 0:
         trainer_kwargs.pop("val_check_interval", None)

@@ -29,6 +29,15 @@ def _final_loss(run_dir):
     return rows[-1]["step"], float(rows[-1]["train/loss"])
 
 
+def _patched_train(patch: str) -> list[str]:
+    """A train.py run with a fault injected by `patch` (Python run before the script)."""
+    return [sys.executable, "-c", textwrap.dedent(patch) + textwrap.dedent(f"""
+        import runpy, sys
+        sys.argv = [{str(ROOT / 'scripts' / 'train.py')!r}] + sys.argv[1:]
+        runpy.run_path(sys.argv[0], run_name="__main__")
+    """)]
+
+
 class _Evil:
     def __init__(self, marker):
         self.marker = marker
@@ -98,16 +107,14 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run(tmp_path):
     full, killed = tmp_path / "full", tmp_path / "killed"
     assert _run(common + [f"hydra.run.dir={full}"], tmp_path).returncode == 0
     # Kill the second run with SIGKILL right after step 17 (checkpoint of step 15 on disk).
-    killer = [sys.executable, "-c", textwrap.dedent(f"""
-        import os, signal, runpy, sys
+    killer = _patched_train("""
+        import os, signal
         from fusedtrain.module import GPTModule
         def die(self, outputs, batch, batch_idx):
             if self.global_step >= 17:
                 os.kill(os.getpid(), signal.SIGKILL)
         GPTModule.on_train_batch_end = die
-        sys.argv = [{str(ROOT / 'scripts' / 'train.py')!r}] + sys.argv[1:]
-        runpy.run_path(sys.argv[0], run_name="__main__")
-    """)]
+    """)
     r = _run(common + [f"hydra.run.dir={killed}"], tmp_path, prefix=killer)
     assert r.returncode == -9, r.stderr[-2000:]
     r = _run(common + [f"hydra.run.dir={killed}", "ckpt_path=last"], tmp_path)
@@ -121,3 +128,41 @@ def test_bad_checkpoint_path_is_named(tmp_path):
              timeout=120)
     assert r.returncode != 0
     assert "nope.ckpt" in r.stderr
+
+
+def test_sigterm_saves_a_checkpoint_and_exits(tmp_path):
+    patch = """
+        import os, signal
+        from fusedtrain.module import GPTModule
+        def term(self, outputs, batch, batch_idx):
+            if self.global_step == 8:
+                os.kill(os.getpid(), signal.SIGTERM)
+        GPTModule.on_train_batch_end = term
+    """
+    r = _run(["trainer.max_steps=1000", "trainer.val_check_interval=5",
+              "trainer.limit_val_batches=1", f"hydra.run.dir={tmp_path}"], tmp_path,
+             prefix=_patched_train(patch))
+    assert "interrupted at step" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
+    ckpt = load_checkpoint(tmp_path / "checkpoints" / "last.ckpt")
+    assert ckpt["global_step"] >= 8
+
+
+def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
+    patch = """
+        import torch
+        from fusedtrain.model import GPT
+        real_loss = GPT.loss
+        calls = [0]
+        def loss(self, idx, targets):
+            calls[0] += 1
+            out = real_loss(self, idx, targets)
+            return out * float("nan") if self.training and calls[0] > 12 else out
+        GPT.loss = loss
+    """
+    r = _run(["trainer.max_steps=100", "trainer.val_check_interval=5",
+              "trainer.limit_val_batches=1", f"hydra.run.dir={tmp_path}"], tmp_path,
+             prefix=_patched_train(patch))
+    assert r.returncode == 3, r.stderr[-2000:]
+    assert "non-finite training loss" in r.stderr and "at step" in r.stderr
+    ckpt = load_checkpoint(tmp_path / "checkpoints" / "last.ckpt")
+    assert ckpt["global_step"] == 10  # the last checkpoint before the bad step
