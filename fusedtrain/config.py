@@ -27,6 +27,7 @@ class RunConfig:
     ckpt_path: str | None
     throughput_skip_steps: int
     deterministic: bool = False
+    tensorboard: bool = False
 
 
 def _build(cls, section: str, values: dict):
@@ -55,4 +56,5 @@ def build_run_config(cfg: DictConfig) -> RunConfig:
         raise ConfigError(f"throughput_skip_steps must be a non-negative integer, got {skip!r}")
     return RunConfig(model=model, data=data, optim=optim, trainer=trainer, seed=int(c["seed"]),
                      compile=bool(c.get("compile", False)), ckpt_path=c.get("ckpt_path"),
-                     throughput_skip_steps=skip, deterministic=bool(c.get("deterministic")))
+                     throughput_skip_steps=skip, deterministic=bool(c.get("deterministic")),
+                     tensorboard=bool(c.get("tensorboard")))

@@ -78,8 +78,13 @@ def train(cfg: DictConfig) -> dict:
                                   auto_insert_metric_name=False, save_last=True,
                                   monitor="val/loss", save_top_k=1)
     ckpt_path = resolve_ckpt(run.ckpt_path, run_dir)
+    loggers = [CSVLogger(run_dir, name="", version="")]
+    if run.tensorboard:
+        from lightning.pytorch.loggers import TensorBoardLogger
+
+        loggers.append(TensorBoardLogger(run_dir, name="tensorboard", version=""))
     trainer = L.Trainer(
-        default_root_dir=run_dir, logger=CSVLogger(run_dir, name="", version=""),
+        default_root_dir=run_dir, logger=loggers,
         callbacks=[throughput, checkpoints, SaveOnInterrupt(str(ckpt_dir / "last.ckpt"))],
         plugins=[SafeCheckpointIO()], **trainer_kwargs,
     )
