@@ -144,8 +144,9 @@ def layer_norm_fwd(x: torch.Tensor, residual: torch.Tensor | None, weight: torch
         GELU=_gelu_code(approximate), ACC=acc_dtype(x), BLOCK_M=block_m, BLOCK_C=block_c,
         num_warps=num_warps,
     )
-    return y.view(x.shape[:-1] + (C,)), s.view(x.shape[:-1] + (C,)) if residual is not None \
-        else s, mean, rstd
+    if residual is not None:
+        s = s.view(x.shape)
+    return y.view(x.shape), s, mean, rstd
 
 
 @functools.cache
