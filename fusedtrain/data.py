@@ -259,16 +259,21 @@ class RandomWindows(Dataset):
 
 
 class SkipSampler(torch.utils.data.Sampler):
-    """Sequential indices from `start`: the data-stream position survives a resume."""
+    """Indices start + rank, start + rank + world, ... of one global sample stream.
 
-    def __init__(self, length: int, start: int = 0):
-        self.length, self.start = length, start
+    The stream position survives a resume (`start`), and under data parallelism each
+    rank takes every world-th sample, so one step of W ranks with batch B covers the
+    same B*W samples as one step of a single process with batch B*W.
+    """
+
+    def __init__(self, length: int, start: int = 0, rank: int = 0, world: int = 1):
+        self.length, self.start, self.rank, self.world = length, start, rank, world
 
     def __len__(self) -> int:
-        return self.length - self.start
+        return max(0, self.length - self.start - self.rank + self.world - 1) // self.world
 
     def __iter__(self):
-        return iter(range(self.start, self.length))
+        return iter(range(self.start + self.rank, self.length, self.world))
 
 
 class TokenDataModule(L.LightningDataModule):
@@ -276,15 +281,19 @@ class TokenDataModule(L.LightningDataModule):
                  max_steps: int):
         super().__init__()
         self.cfg, self.seq_len, self.vocab_size, self.seed = cfg, seq_len, vocab_size, seed
-        self.num_train_samples = max(1, max_steps) * cfg.batch_size
+        self.max_steps = max(1, max_steps)
         self.start_sample = 0  # set on resume
         self.train_set: RandomWindows | None = None
         self.val_set: RandomWindows | None = None
 
+    def _ranks(self) -> tuple[int, int]:
+        t = self.trainer
+        return (t.global_rank, t.world_size) if t is not None else (0, 1)
+
     def state_dict(self) -> dict:
-        """The position in the sample stream, so a resume continues where it stopped."""
+        """The position in the global sample stream, so a resume continues where it stopped."""
         step = self.trainer.global_step if self.trainer is not None else 0
-        return {"start_sample": step * self.cfg.batch_size}
+        return {"start_sample": step * self.cfg.batch_size * self._ranks()[1]}
 
     def load_state_dict(self, state: dict) -> None:
         self.start_sample = int(state["start_sample"])
@@ -303,14 +312,14 @@ class TokenDataModule(L.LightningDataModule):
                 f"corpus of {len(tokens)} tokens is too small for sequence length {self.seq_len}"
             )
         self.train_set = RandomWindows(tokens[:-n_val], self.seq_len, self.seed,
-                                       self.num_train_samples)
+                                       self.max_steps * self.cfg.batch_size * self._ranks()[1])
         self.val_set = RandomWindows(tokens[-n_val:], self.seq_len, self.seed + 1,
                                      self.cfg.val_batches * self.cfg.batch_size)
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(
             self.train_set, batch_size=self.cfg.batch_size,
-            sampler=SkipSampler(len(self.train_set), self.start_sample),
+            sampler=SkipSampler(len(self.train_set), self.start_sample, *self._ranks()),
             num_workers=self.cfg.num_workers, pin_memory=torch.cuda.is_available(),
             drop_last=True,
         )

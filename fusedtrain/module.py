@@ -82,7 +82,7 @@ class GPTModule(L.LightningModule):
             raise NonFiniteLossError(
                 f"non-finite training loss ({loss.item()}) at step {self.global_step}; "
                 f"stopping, the last good checkpoint is kept")
-        self.log("train/loss", loss, prog_bar=True)
+        self.log("train/loss", loss, prog_bar=True, sync_dist=True)  # mean over ranks
         return loss
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:

@@ -86,7 +86,8 @@ def train(cfg: DictConfig) -> dict:
     trainer = L.Trainer(
         default_root_dir=run_dir, logger=loggers,
         callbacks=[throughput, checkpoints, SaveOnInterrupt(str(ckpt_dir / "last.ckpt"))],
-        plugins=[SafeCheckpointIO()], **trainer_kwargs,
+        plugins=[SafeCheckpointIO()], use_distributed_sampler=False,  # SkipSampler shards
+        **trainer_kwargs,
     )
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
 
@@ -100,6 +101,8 @@ def train(cfg: DictConfig) -> dict:
         "run_dir": str(run_dir),
     }
     fmt = lambda v: "n/a" if v is None else f"{v:.4g}"  # noqa: E731
+    if not trainer.is_global_zero:
+        return summary
     print(f"done: {summary['steps']} steps, train loss {fmt(summary['train_loss'])}, "
           f"val loss {fmt(summary['val_loss'])}, {fmt(summary['tokens_per_s'])} tokens/s"
           + (f", MFU {summary['mfu']:.3f}" if summary["mfu"] is not None else "")
