@@ -138,13 +138,14 @@ def test_bad_checkpoint_path_is_named(tmp_path):
     assert "nope.ckpt" in r.stderr
 
 
-def test_sigterm_saves_a_checkpoint_and_exits(tmp_path):
-    patch = """
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_signal_saves_a_checkpoint_and_exits(tmp_path, sig):
+    patch = f"""
         import os, signal
         from fusedtrain.module import GPTModule
         def term(self, outputs, batch, batch_idx):
             if self.global_step == 8:
-                os.kill(os.getpid(), signal.SIGTERM)
+                os.kill(os.getpid(), signal.{sig})
         GPTModule.on_train_batch_end = term
     """
     r = _run(["trainer.max_steps=1000", "trainer.val_check_interval=5",
