@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 import time
@@ -16,6 +17,7 @@ from fusedtrain.model import GPT, GPTConfig
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L4": 121e12, "A10": 125e12}
 
 
+@functools.cache
 def peak_flops(device: torch.device | None = None) -> tuple[str, float] | None:
     """(device name, dense bf16 peak) for a known CUDA GPU, else None."""
     if not torch.cuda.is_available():

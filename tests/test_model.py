@@ -15,9 +15,12 @@ def test_forward_shapes_and_tied_head():
     model = GPT(GPTConfig(**TINY))
     logits = model(torch.randint(0, 256, (3, 17)))
     assert logits.shape == (3, 17, 256)
-    assert model.transformer.wte.weight.data_ptr() == model.transformer.wte.weight.data_ptr()
-    n_embed_params = sum(p.numel() for p in model.parameters())
-    assert model.num_params(non_embedding=False) == n_embed_params
+    # Tied head: with the token embedding zeroed, every logit is exactly zero.
+    with torch.no_grad():
+        model.transformer.wte.weight.zero_()
+        assert torch.count_nonzero(model(torch.randint(0, 256, (1, 5)))) == 0
+    wpe = model.transformer.wpe.weight.numel()
+    assert model.num_params(non_embedding=False) - model.num_params() == wpe
 
 
 def test_residual_projection_init_is_scaled():
