@@ -73,13 +73,14 @@ class GPTModule(L.LightningModule):
         self.model_cfg, self.optim_cfg, self.max_steps = model_cfg, optim_cfg, max_steps
         self.model = GPT(model_cfg)
         self.compile = compile
-        # Kept out of the module tree, so checkpoints hold the parameters once, under
-        # `model.`, whether or not the model was compiled.
-        self.__dict__["_step_model"] = torch.compile(self.model) if compile else self.model
+        # torch.compile wraps the whole loss function (a compiled module would compile
+        # only forward, not `.loss`); it holds no parameters of its own, so checkpoints
+        # hold them once, under `model.`, whether or not the model was compiled.
+        self._loss_fn = torch.compile(self.model.loss) if compile else self.model.loss
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        loss = self._step_model.loss(x, y)
+        loss = self._loss_fn(x, y)
         if not torch.isfinite(loss):
             raise NonFiniteLossError(
                 f"non-finite training loss ({loss.item()}) at step {self.global_step}; "
@@ -105,7 +106,7 @@ class GPTModule(L.LightningModule):
 
     def validation_step(self, batch, batch_idx):
         x, y = batch
-        self.log("val/loss", self._step_model.loss(x, y), prog_bar=True, sync_dist=True)
+        self.log("val/loss", self._loss_fn(x, y), prog_bar=True, sync_dist=True)
 
     def configure_optimizers(self):
         o = self.optim_cfg

@@ -10,6 +10,9 @@
   python scripts/bench.py parity [--model tiny] [--steps 100] [--out DIR]
       fused and eager trained from one seed on the same stdlib batches: overlaid loss
       curves and the max |difference| -> DIR/parity.json, DIR/parity.png
+  python scripts/bench.py profile [--variant fused] [--model gpt2] [--out DIR]
+      torch.profiler over a few training steps: GPU-busy share of the step and the top
+      kernels by GPU time -> DIR/profile-VARIANT.txt
 
 A table goes to stdout. Needs a CUDA GPU (the train part also runs on CPU for a smoke test).
 """
@@ -227,12 +230,14 @@ def training_batches(source: str, n: int, batch: int, seq: int, vocab: int,
     return x.view(n, batch, seq + 1).to(device)
 
 
-def bench_train_variant(model_name: str, batch: int, seq: int, steps: int, warmup: int,
-                        variant: dict, device: str, data_source: str = "synthetic") -> dict:
+def train_setup(model_name: str, batch: int, seq: int, n_batches: int, variant: dict,
+                device: str, data_source: str = "synthetic"):
+    """(model, step, data): step(i) runs forward, backward and AdamW on data[i] under bf16
+    autocast and returns the loss tensor (no host sync). torch.compile, where asked,
+    wraps the whole loss function (forward, head and cross-entropy)."""
     from omegaconf import OmegaConf
 
     from fusedtrain.model import GPT, GPTConfig
-    from fusedtrain.module import peak_flops
 
     base = OmegaConf.to_container(OmegaConf.load(Path(__file__).parents[1] / "conf" / "model"
                                                  / f"{model_name}.yaml"))
@@ -241,50 +246,109 @@ def bench_train_variant(model_name: str, batch: int, seq: int, steps: int, warmu
                        "eager_attention": variant["eager_attention"]})
     torch.manual_seed(0)
     model = GPT(cfg).to(device)
-    step_model = torch.compile(model) if variant["compile"] else model
+    loss_fn = torch.compile(model.loss) if variant["compile"] else model.loss
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
-    data = training_batches(data_source, warmup + steps, batch, seq, cfg.vocab_size, device)
+    data = training_batches(data_source, n_batches, batch, seq, cfg.vocab_size, device)
     amp = torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda")
 
-    def step(i):
+    def step(i: int) -> torch.Tensor:
         with amp:
-            loss = step_model.loss(data[i, :, :-1], data[i, :, 1:])
+            loss = loss_fn(data[i, :, :-1], data[i, :, 1:])
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return loss
+        return loss.detach()
 
-    losses, times = [], []
-    if device == "cuda":
+    return model, step, data
+
+
+def bench_train_variant(model_name: str, batch: int, seq: int, steps: int, warmup: int,
+                        variant: dict, device: str, data_source: str = "synthetic") -> dict:
+    """Warm-up steps (compilation, autotuning), then `steps` timed steps issued back to
+    back as a training loop would: tokens/s from the wall time of the timed steps (one
+    sync at each end), per-step ms from CUDA events read afterwards."""
+    from fusedtrain.module import peak_flops
+
+    model, step, _ = train_setup(model_name, batch, seq, warmup + steps, variant, device,
+                                 data_source)
+    losses = [step(i) for i in range(warmup)]
+    cuda = device == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    for i in range(warmup + steps):
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-        t0 = time.perf_counter()
-        loss = step(i)
-        if device == "cuda":
-            end.record()
-            end.synchronize()
-            ms = start.elapsed_time(end)
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
+        events[0].record()
+    t0 = time.perf_counter()
+    marks = [t0]
+    for i in range(warmup, warmup + steps):
+        losses.append(step(i))
+        if cuda:
+            events[i - warmup + 1].record()
         else:
-            ms = (time.perf_counter() - t0) * 1e3
-        losses.append(loss.item())
-        if i >= warmup:
-            times.append(ms)
+            marks.append(time.perf_counter())
+    if cuda:
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    times = ([a.elapsed_time(b) for a, b in zip(events, events[1:])] if cuda
+             else [(b - a) * 1e3 for a, b in zip(marks, marks[1:])])
     times_t = torch.tensor(times)
-    median = times_t.median().item()
-    tokens_per_s = batch * seq / (median / 1e3)
-    peak = peak_flops() if device == "cuda" else None
-    out = {"step_ms_median": median, "step_ms_p10": times_t.quantile(0.1).item(),
-           "step_ms_p90": times_t.quantile(0.9).item(), "tokens_per_s": tokens_per_s,
+    tokens_per_s = batch * seq * steps / wall
+    losses = [x.item() for x in losses]
+    out = {"tokens_per_s": tokens_per_s, "step_ms_median": times_t.median().item(),
+           "step_ms_p10": times_t.quantile(0.1).item(),
+           "step_ms_p90": times_t.quantile(0.9).item(),
            "final_loss": losses[-1], "losses": losses,
-           "peak_mem_GiB": torch.cuda.max_memory_allocated() / 2 ** 30 if device == "cuda"
-           else None}
-    if peak is not None:
-        out["mfu"] = model.flops_per_token(seq) * tokens_per_s / peak[1]
-        out["peak_flops"] = peak[1]
+           "peak_mem_GiB": torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None}
+    known = peak_flops() if cuda else None
+    if known is not None:
+        out["mfu"] = model.flops_per_token(seq) * tokens_per_s / known[1]
+        out["peak_flops"] = known[1]
     return out
+
+
+def run_profile(args) -> str:
+    """torch.profiler over a few steps of one variant after warm-up: GPU busy time against
+    wall time (how CPU-bound the step is) and the top kernels by GPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    device = "cuda"
+    variant = train_variants(ablation=True)[args.variant]
+    _, step, _ = train_setup(args.model, args.batch, args.seq, args.warmup + args.steps,
+                             variant, device, "synthetic")
+    for i in range(args.warmup):
+        step(i)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for i in range(args.warmup, args.warmup + args.steps):
+            step(i)
+        torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - t0) * 1e3 / args.steps
+    gpu_us = sum(e.self_device_time_total for e in prof.key_averages()
+                 if e.device_type == torch.autograd.DeviceType.CUDA) / args.steps
+    if args.host:
+        import cProfile
+        import io
+        import pstats
+
+        host = cProfile.Profile()
+        host.enable()
+        for i in range(args.warmup, args.warmup + args.steps):
+            step(i)
+        torch.cuda.synchronize()
+        host.disable()
+        text = io.StringIO()
+        pstats.Stats(host, stream=text).sort_stats("tottime").print_stats(args.top)
+    lines = [f"profile: {args.variant}, model={args.model}, B={args.batch}, T={args.seq}, "
+             f"{args.steps} steps after {args.warmup} warm-up",
+             f"wall {wall_ms:.1f} ms/step (under the profiler), GPU kernels {gpu_us / 1e3:.1f} "
+             f"ms/step: the GPU is busy {gpu_us / 1e3 / wall_ms:.0%} of the step",
+             prof.key_averages().table(sort_by="self_device_time_total", row_limit=args.top,
+                                       max_name_column_width=60)]
+    if args.host:
+        lines += ["host (cProfile, the same steps again, top functions by own time):",
+                  text.getvalue()]
+    return "\n".join(lines)
 
 
 def run_train(args) -> dict:
@@ -432,6 +496,16 @@ def main(argv=None) -> int:
     t.add_argument("--variants", nargs="+", help="run only these variants")
     t.add_argument("--data", default="synthetic", choices=["synthetic", "stdlib"])
     t.add_argument("--out", default="results")
+    f = sub.add_parser("profile", help="torch.profiler summary of training steps")
+    f.add_argument("--variant", default="fused")
+    f.add_argument("--model", default="gpt2")
+    f.add_argument("--batch", type=int, default=16)
+    f.add_argument("--seq", type=int, default=1024)
+    f.add_argument("--steps", type=int, default=5)
+    f.add_argument("--warmup", type=int, default=5)
+    f.add_argument("--top", type=int, default=25)
+    f.add_argument("--host", action="store_true", help="also cProfile the host side")
+    f.add_argument("--out", default="results")
     q = sub.add_parser("parity", help="fused vs eager loss curves, same seed and data")
     q.add_argument("--model", default="tiny")
     q.add_argument("--batch", type=int, default=8)
@@ -448,6 +522,16 @@ def main(argv=None) -> int:
         dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU, fp32"
         plot_parity(result, out / "parity.png", f"{args.model}, B={args.batch}, T={args.seq}, "
                     f"{args.data} data, {dev}")
+        return 0
+    if args.cmd == "profile":
+        if not torch.cuda.is_available():
+            print("bench.py profile needs a CUDA GPU", file=sys.stderr)
+            return 2
+        report = run_profile(args)
+        print(report)
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"profile-{args.variant}.txt").write_text(report + "\n")
         return 0
     if args.cmd == "train":
         out = Path(args.out)

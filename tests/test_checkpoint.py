@@ -92,7 +92,7 @@ def test_train_export_and_load_fused_or_eager(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     ckpt = tmp_path / "checkpoints" / "last.ckpt"
     raw = load_checkpoint(ckpt)
-    assert not any(k.startswith("_step_model") for k in raw["state_dict"])
+    assert all(k.startswith("model.") and "_orig_mod" not in k for k in raw["state_dict"])
     out = tmp_path / "model.safetensors"
     e = subprocess.run([sys.executable, str(ROOT / "scripts" / "export.py"), f"ckpt={ckpt}",
                         f"out={out}"], capture_output=True, text=True, timeout=120)
@@ -175,3 +175,14 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
     assert "non-finite training loss" in r.stderr and "at step" in r.stderr
     ckpt = load_checkpoint(tmp_path / "checkpoints" / "last.ckpt")
     assert ckpt["global_step"] == 10  # the last checkpoint before the bad step
+
+
+def test_compiled_module_keeps_one_copy_of_the_parameters():
+    from fusedtrain.model import GPTConfig
+    from fusedtrain.module import GPTModule, OptimConfig
+
+    cfg = GPTConfig(block_size=8, vocab_size=16, n_layer=1, n_head=2, n_embd=8)
+    plain = GPTModule(cfg, OptimConfig(), max_steps=1).state_dict().keys()
+    compiled = GPTModule(cfg, OptimConfig(), max_steps=1, compile=True).state_dict().keys()
+    assert list(compiled) == list(plain)
+    assert all(k.startswith("model.") for k in plain)
