@@ -144,15 +144,24 @@ def dot_precision(t: torch.Tensor) -> str:
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def autotune(configs: list[triton.Config], key: list[str], interpret: triton.Config, **kwargs):
-    """triton.autotune over `configs` on a GPU; under the interpreter only the single
-    `interpret` config (tuned for few, large programs, which the interpreter runs
-    fastest). The GPU choice is cached on disk where this Triton supports it, so a
-    second process does not re-tune."""
+def autotune(configs: list[triton.Config], key: list[str], interpret: triton.Config,
+             wide: list[triton.Config], **kwargs):
+    """triton.autotune over `configs` for 16-bit data on a GPU, over the small `wide`
+    configs for fp32/fp64 data (large tiles of 4- and 8-byte elements overflow shared
+    memory or take minutes to compile, and those dtypes are for checking, not speed),
+    and under the interpreter the single `interpret` config (tuned for few, large
+    programs, which the interpreter runs fastest). The GPU choice is cached on disk
+    where this Triton supports it, so a second process does not re-tune."""
     if INTERPRET:
         configs = [interpret]
+
+    def by_dtype(candidates, named_args, **_):
+        data = next(a for a in named_args.values() if isinstance(a, torch.Tensor))
+        return wide if data.element_size() >= 4 else candidates
+
     if "cache_results" in inspect.signature(triton.autotune).parameters:
         kwargs.setdefault("cache_results", True)
+    kwargs.setdefault("prune_configs_by", {"early_config_prune": by_dtype})
     return triton.autotune(configs=configs, key=key, **kwargs)
 
 
@@ -206,6 +215,8 @@ def gemm_configs() -> list[triton.Config]:
 
 
 INTERPRET_GEMM = triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8})
+WIDE_GEMM = [triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8},
+                           num_stages=2, num_warps=4)]
 
 
 @device_fn

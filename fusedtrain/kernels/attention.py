@@ -41,6 +41,7 @@ BWD_KV_CONFIGS = _configs([(64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 4, 3), (32
 BWD_Q_CONFIGS = _configs([(128, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3), (64, 32, 4, 3),
                           (128, 64, 4, 2)])
 INTERPRET_CONFIG = triton.Config({"BLOCK_M": 128, "BLOCK_N": 128})
+WIDE_CONFIGS = _configs([(64, 32, 4, 2)])
 
 
 @device_fn
@@ -110,7 +111,8 @@ def _key_block_ranges(start_m, T, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
     return full, last
 
 
-@autotune(FWD_CONFIGS, key=["T_BUCKET", "BLOCK_D", "CAUSAL"], interpret=INTERPRET_CONFIG)
+@autotune(FWD_CONFIGS, key=["T_BUCKET", "BLOCK_D", "CAUSAL"], interpret=INTERPRET_CONFIG,
+          wide=WIDE_CONFIGS)
 @triton.jit
 def _attn_fwd_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, qk_scale, H, T, D, T_BUCKET,
@@ -200,7 +202,8 @@ def _query_block_ranges(start_n, n_q_blocks, CAUSAL: tl.constexpr, BLOCK_M: tl.c
     return first, diag
 
 
-@autotune(BWD_KV_CONFIGS, key=["T_BUCKET", "BLOCK_D", "CAUSAL"], interpret=INTERPRET_CONFIG)
+@autotune(BWD_KV_CONFIGS, key=["T_BUCKET", "BLOCK_D", "CAUSAL"], interpret=INTERPRET_CONFIG,
+          wide=WIDE_CONFIGS)
 @triton.jit
 def _attn_bwd_dkdv_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
@@ -263,7 +266,8 @@ def _dq_blocks(dq, q, do, lse, delta, k_base, v_base, offs_m, offs_d, d_ok, T, q
     return dq
 
 
-@autotune(BWD_Q_CONFIGS, key=["T_BUCKET", "BLOCK_D", "CAUSAL"], interpret=INTERPRET_CONFIG)
+@autotune(BWD_Q_CONFIGS, key=["T_BUCKET", "BLOCK_D", "CAUSAL"], interpret=INTERPRET_CONFIG,
+          wide=WIDE_CONFIGS)
 @triton.jit
 def _attn_bwd_dq_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,

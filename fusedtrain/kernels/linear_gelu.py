@@ -21,6 +21,7 @@ import triton.language as tl
 from fusedtrain.kernels._common import (
     APPROXIMATIONS,
     INTERPRET_GEMM,
+    WIDE_GEMM,
     acc_dtype,
     autotune,
     dot_precision,
@@ -32,7 +33,7 @@ from fusedtrain.kernels._common import (
 )
 
 
-@autotune(gemm_configs(), key=["M", "N", "K"], interpret=INTERPRET_GEMM)
+@autotune(gemm_configs(), key=["M", "N", "K"], interpret=INTERPRET_GEMM, wide=WIDE_GEMM)
 @triton.jit
 def _linear_gelu_fwd_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, h_ptr, M, N, K,
@@ -54,7 +55,7 @@ def _linear_gelu_fwd_kernel(
              mask=mask)
 
 
-@autotune(gemm_configs(), key=["M", "N", "K"], interpret=INTERPRET_GEMM)
+@autotune(gemm_configs(), key=["M", "N", "K"], interpret=INTERPRET_GEMM, wide=WIDE_GEMM)
 @triton.jit
 def _matmul_dgelu_kernel(
     dy_ptr, w_ptr, h_ptr, dh_ptr, M, N, K,
@@ -70,7 +71,7 @@ def _matmul_dgelu_kernel(
              mask=mask)
 
 
-@autotune(gemm_configs(), key=["M", "N", "K"], interpret=INTERPRET_GEMM)
+@autotune(gemm_configs(), key=["M", "N", "K"], interpret=INTERPRET_GEMM, wide=WIDE_GEMM)
 @triton.jit
 def _matmul_gelu_rhs_kernel(
     a_ptr, h_ptr, c_ptr, M, N, K,

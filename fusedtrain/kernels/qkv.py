@@ -18,6 +18,7 @@ import triton.language as tl
 
 from fusedtrain.kernels._common import (
     INTERPRET_GEMM,
+    WIDE_GEMM,
     acc_dtype,
     autotune,
     cdiv,
@@ -29,7 +30,7 @@ from fusedtrain.kernels._common import (
 )
 
 
-@autotune(gemm_configs(), key=["M", "C"], interpret=INTERPRET_GEMM)
+@autotune(gemm_configs(), key=["M", "C"], interpret=INTERPRET_GEMM, wide=WIDE_GEMM)
 @triton.jit
 def _qkv_fwd_kernel(
     x_ptr, w_ptr, b_ptr, q_ptr, k_ptr, v_ptr, M, C, T, D,
@@ -59,7 +60,7 @@ def _qkv_fwd_kernel(
     tl.store(dst, acc.to(q_ptr.dtype.element_ty), mask=m_ok[:, None] & c_ok[None, :])
 
 
-@autotune(gemm_configs(), key=["M", "C"], interpret=INTERPRET_GEMM)
+@autotune(gemm_configs(), key=["M", "C"], interpret=INTERPRET_GEMM, wide=WIDE_GEMM)
 @triton.jit
 def _qkv_dx_kernel(
     dq_ptr, dk_ptr, dv_ptr, w_ptr, dx_ptr, M, C, T, H, D,
@@ -84,7 +85,7 @@ def _qkv_dx_kernel(
     tl.store(dst, acc.to(dx_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-@autotune(gemm_configs(), key=["M", "C"], interpret=INTERPRET_GEMM)
+@autotune(gemm_configs(), key=["M", "C"], interpret=INTERPRET_GEMM, wide=WIDE_GEMM)
 @triton.jit
 def _qkv_dw_kernel(
     dq_ptr, dk_ptr, dv_ptr, x_ptr, dw_ptr, M, C, B, T, D,
