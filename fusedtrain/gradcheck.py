@@ -104,8 +104,12 @@ def check_model(cfg: GPTConfig, dtype: torch.dtype, device: str, batch: int = 2,
             (n, ref[n], e[n], f[n]) for n in ref]:
         err_e = (ee - r).abs().max().item()
         err_f = (ff - r).abs().max().item()
-        rel = err_f / max(r.abs().max().item(), 1e-30)
-        ok = err_f <= 2 * err_e + atol
+        scale = r.abs().max().item()
+        rel = err_f / max(scale, 1e-30)
+        # The loss is one number, not a distribution: its eager error can be zero by luck,
+        # so it also gets one unit of rounding of the dtype at its own magnitude.
+        slack = torch.finfo(dtype).eps * scale if name == "loss" else 0.0
+        ok = err_f <= 2 * err_e + atol + slack
         results.append(Result(f"model[{str(dtype)[6:]}]/{name}", ok,
                               f"fused {err_f:.2e}  eager {err_e:.2e}  rel {rel:.2e}"))
     return results

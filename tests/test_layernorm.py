@@ -88,3 +88,12 @@ def test_gpu_bf16_accuracy(M, C, op):
     if op == "add_layer_norm":
         inputs.insert(1, torch.randn(M, C, device="cuda").bfloat16().requires_grad_())
     check_against_oracle(getattr(ops, op), getattr(eager, op), inputs, 1e-2, 1e-2, op)
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_layer_norm_gelu_tanh():
+    inputs = [t.detach().cuda().bfloat16().requires_grad_()
+              for t in _inputs((16384, 768), dtype=torch.float32)]
+    check_against_oracle(lambda *a: ops.layer_norm_gelu(*a, approximate="tanh"),
+                         lambda *a: eager.layer_norm_gelu(*a, approximate="tanh"), inputs,
+                         1e-2, 1e-2, "layer_norm_gelu tanh")

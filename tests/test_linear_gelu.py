@@ -77,6 +77,19 @@ def _saved_activation_bytes(fn, inputs, params):
     return sum(saved.values())
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("dtype", [F64, torch.float16])
+def test_split_k_weight_gradient(splits, dtype):
+    from fusedtrain.kernels.linear_gelu import matmul_gelu_rhs
+
+    dy, h = torch.randn(203, 17, dtype=dtype), torch.randn(203, 33, dtype=dtype)
+    out = matmul_gelu_rhs(dy, h, "tanh", splits=splits)
+    ref = dy.double().t() @ torch.nn.functional.gelu(h.double(), approximate="tanh")
+    assert out.dtype == dtype and out.shape == (17, 33)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-2 if dtype != F64 else 1e-9,
+                               atol=1e-2 if dtype != F64 else 1e-9)
+
+
 def test_fused_mlp_saves_only_x_and_h():
     M, C, Hd = 64, 16, 64
     x, w1, b1, w2, b2 = _mlp_inputs(M, C, Hd, dtype=torch.float32)
@@ -126,14 +139,18 @@ def test_bad_inputs():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("M,K,N", [(16384, 768, 3072), (4096, 1024, 4096)])
-def test_gpu_bf16_accuracy(M, K, N):
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_gpu_bf16_accuracy(M, K, N, approximate):
     dev = "cuda"
     x = torch.randn(M, K, device=dev)
     w1, b1 = torch.randn(N, K, device=dev) / K ** 0.5, torch.randn(N, device=dev)
     w2, b2 = torch.randn(K, N, device=dev) / N ** 0.5, torch.randn(K, device=dev)
     inputs = [t.bfloat16().requires_grad_() for t in (x, w1, b1, w2, b2)]
-    check_against_oracle(lambda *a: ops.fused_mlp(*a, "tanh"),
-                         lambda *a: eager.fused_mlp(*a, "tanh"), inputs, 1e-2, 1e-2, "mlp")
+    check_against_oracle(lambda *a: ops.fused_mlp(*a, approximate),
+                         lambda *a: eager.fused_mlp(*a, approximate), inputs, 1e-2, 1e-2, "mlp")
+    check_against_oracle(lambda *a: ops.linear_gelu(*a, approximate),
+                         lambda *a: eager.linear_gelu(*a, approximate), inputs[:3], 1e-2, 1e-2,
+                         "linear_gelu")
 
 
 @pytest.mark.gpu

@@ -76,6 +76,7 @@ def test_deterministic_training_is_bit_identical(tmp_path):
     losses = []
     for run in ("a", "b"):
         d = tmp_path / run
+        d.mkdir()
         r = _train(d, "trainer=gpu", "fused=true", "deterministic=true", "model=gpt2",
                    "model.n_layer=4", "data.batch_size=8", "model.block_size=256",
                    "trainer.max_steps=50", "trainer.val_check_interval=50",

@@ -11,14 +11,12 @@ GELU after the affine map is recomputed in backward from x and the saved statist
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from fusedtrain.kernels import INTERPRET
-from fusedtrain.kernels._common import APPROXIMATIONS, acc_dtype, gelu, gelu_grad, row_sum
+from fusedtrain.kernels._common import acc_dtype, gelu, gelu_grad, gelu_mode, row_sum, sm_count
 
 NO_GELU = -1
 MAX_C = 65536
@@ -115,8 +113,9 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _gelu_code(approximate: str | None) -> int:
-    return NO_GELU if approximate is None else APPROXIMATIONS[approximate]
+def _gelu_code(approximate: str | None, out: torch.Tensor) -> int:
+    """GELU constexpr; the fast tanh only where `out` (what the GELU feeds) is 16-bit."""
+    return NO_GELU if approximate is None else gelu_mode(approximate, out)
 
 
 def layer_norm_fwd(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None,
@@ -141,7 +140,7 @@ def layer_norm_fwd(x: torch.Tensor, residual: torch.Tensor | None, weight: torch
         y, s if residual is not None else y, mean, rstd, M, C, eps,
         x2.stride(0), r2.stride(0), y.stride(0), s.stride(0) if residual is not None else 0,
         HAS_RES=residual is not None, HAS_W=weight is not None, HAS_B=bias is not None,
-        GELU=_gelu_code(approximate), ACC=acc_dtype(x), BLOCK_M=block_m, BLOCK_C=block_c,
+        GELU=_gelu_code(approximate, y), ACC=acc_dtype(x), BLOCK_M=block_m, BLOCK_C=block_c,
         num_warps=num_warps,
     )
     if residual is not None:
@@ -149,17 +148,12 @@ def layer_norm_fwd(x: torch.Tensor, residual: torch.Tensor | None, weight: torch
     return y.view(x.shape), s, mean, rstd
 
 
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _num_programs(M: int, block_m: int, device: torch.device) -> int:
     """Persistent grid size: a few programs per SM (a handful under the interpreter)."""
     tiles = triton.cdiv(M, block_m)
     if INTERPRET:
         return min(tiles, 4)
-    return min(tiles, 4 * _sm_count(device.index or 0))
+    return min(tiles, 4 * sm_count(device))
 
 
 def layer_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None,
@@ -183,7 +177,7 @@ def layer_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | Non
         mean, rstd, ds2, dx, dw_part, db_part, M, C,
         dy2.stride(0), x2.stride(0), ds2.stride(0), dx.stride(0),
         HAS_W=weight is not None, HAS_B=bias is not None, HAS_DS=ds is not None,
-        GELU=_gelu_code(approximate), ACC=acc_dtype(x), BLOCK_M=block_m, BLOCK_C=block_c,
+        GELU=_gelu_code(approximate, dx), ACC=acc_dtype(x), BLOCK_M=block_m, BLOCK_C=block_c,
         num_warps=num_warps,
     )
     dw = dw_part.sum(0) if weight is not None else None

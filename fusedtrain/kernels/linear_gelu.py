@@ -18,8 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fusedtrain.kernels import INTERPRET
 from fusedtrain.kernels._common import (
-    APPROXIMATIONS,
     INTERPRET_GEMM,
     WIDE_GEMM,
     acc_dtype,
@@ -27,8 +27,10 @@ from fusedtrain.kernels._common import (
     dot_precision,
     gelu,
     gelu_grad,
+    gelu_mode,
     gemm_configs,
     gemm_tile,
+    sm_count,
     tile_ptrs,
 )
 
@@ -71,17 +73,23 @@ def _matmul_dgelu_kernel(
              mask=mask)
 
 
-@autotune(gemm_configs(), key=["M", "N", "K"], interpret=INTERPRET_GEMM, wide=WIDE_GEMM)
+@autotune(gemm_configs(), key=["M", "N", "K_SPLIT"], interpret=INTERPRET_GEMM, wide=WIDE_GEMM)
 @triton.jit
 def _matmul_gelu_rhs_kernel(
-    a_ptr, h_ptr, c_ptr, M, N, K,
-    s_am, s_ak, s_hk, s_hn, s_cm, s_cn,
+    a_ptr, h_ptr, c_ptr, M, N, K, K_SPLIT,
+    s_am, s_ak, s_hk, s_hn, s_cs, s_cm, s_cn,
     APPROX: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    acc, offs_m, offs_n, mask = gemm_tile(a_ptr, h_ptr, M, N, K, s_am, s_ak, s_hk, s_hn, ACC,
-                                          PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+    # Split-K: program (tile, s) reduces k in [s * K_SPLIT, (s + 1) * K_SPLIT) and writes
+    # its own slice s of C; the host sums the slices. The output (C x 4C) is small and
+    # K (tokens) long, so without the split too few tiles exist to fill the GPU.
+    k0 = tl.program_id(1).to(tl.int64) * K_SPLIT
+    acc, offs_m, offs_n, mask = gemm_tile(a_ptr + k0 * s_ak, h_ptr + k0 * s_hk, M, N,
+                                          tl.minimum(K - k0, K_SPLIT), s_am, s_ak, s_hk, s_hn,
+                                          ACC, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
                                           B_GELU=True, APPROX=APPROX)
+    c_ptr += tl.program_id(1).to(tl.int64) * s_cs
     tl.store(tile_ptrs(c_ptr, offs_m, offs_n, s_cm, s_cn), acc.to(c_ptr.dtype.element_ty),
              mask=mask)
 
@@ -112,7 +120,7 @@ def linear_gelu_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         x, weight, bias if bias is not None else x, y, h_arg, M, N, K,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
         y.stride(0), y.stride(1), h_arg.stride(0), h_arg.stride(1),
-        HAS_BIAS=bias is not None, STORE_H=store_h, APPROX=APPROXIMATIONS[approximate],
+        HAS_BIAS=bias is not None, STORE_H=store_h, APPROX=gelu_mode(approximate, x),
         ACC=acc_dtype(x), PRECISION=dot_precision(x),
     )
     return y, h
@@ -128,22 +136,37 @@ def matmul_dgelu(dy: torch.Tensor, w2: torch.Tensor, h: torch.Tensor,
         dy, w2, h, dh, M, N, K,
         dy.stride(0), dy.stride(1), w2.stride(0), w2.stride(1),
         h.stride(0), h.stride(1), dh.stride(0), dh.stride(1),
-        APPROX=APPROXIMATIONS[approximate], ACC=acc_dtype(dy), PRECISION=dot_precision(dy),
+        APPROX=gelu_mode(approximate, dy), ACC=acc_dtype(dy), PRECISION=dot_precision(dy),
     )
     return dh
 
 
-def matmul_gelu_rhs(dy: torch.Tensor, h: torch.Tensor, approximate: str) -> torch.Tensor:
-    """dy: (M, N2), h: (M, N) -> dy.T @ gelu(h): (N2, N)."""
+def k_splits(M: int, N: int, K: int, device: torch.device) -> int:
+    """How many slices to split a GEMM's reduction over: enough (128 x 128) output tiles
+    times slices for about four programs per SM, each slice at least 1024 long."""
+    if INTERPRET:
+        return 1
+    tiles = triton.cdiv(M, 128) * triton.cdiv(N, 128)
+    return max(1, min(4 * sm_count(device) // tiles, K // 1024, 8))
+
+
+def matmul_gelu_rhs(dy: torch.Tensor, h: torch.Tensor, approximate: str,
+                    splits: int | None = None) -> torch.Tensor:
+    """dy: (K, M), h: (K, N) -> dy.T @ gelu(h): (M, N), reduced over `splits` slices of K
+    (default: k_splits) with fp32 partial sums."""
     K, M = dy.shape
     N = h.shape[1]
-    out = torch.empty((M, N), device=dy.device, dtype=dy.dtype)
-    _matmul_gelu_rhs_kernel[_gemm_grid(M, N)](
-        dy, h, out, M, N, K,
-        dy.stride(1), dy.stride(0), h.stride(0), h.stride(1), out.stride(0), out.stride(1),
-        APPROX=APPROXIMATIONS[approximate], ACC=acc_dtype(dy), PRECISION=dot_precision(dy),
+    splits = splits or k_splits(M, N, K, dy.device)
+    k_split = triton.cdiv(triton.cdiv(K, splits), 64) * 64
+    splits = triton.cdiv(K, k_split)
+    part_dtype = dy.dtype if splits == 1 else torch.promote_types(dy.dtype, torch.float32)
+    out = torch.empty((splits, M, N), device=dy.device, dtype=part_dtype)
+    _matmul_gelu_rhs_kernel[lambda meta: (_gemm_grid(M, N)(meta)[0], splits)](
+        dy, h, out, M, N, K, k_split,
+        dy.stride(1), dy.stride(0), h.stride(0), h.stride(1), *out.stride(),
+        APPROX=gelu_mode(approximate, dy), ACC=acc_dtype(dy), PRECISION=dot_precision(dy),
     )
-    return out
+    return out[0] if splits == 1 else out.sum(0).to(dy.dtype)
 
 
 def gelu_bwd(dy: torch.Tensor, h: torch.Tensor, approximate: str) -> torch.Tensor:
@@ -153,5 +176,5 @@ def gelu_bwd(dy: torch.Tensor, h: torch.Tensor, approximate: str) -> torch.Tenso
     n = h.numel()
     block = 4096
     _gelu_bwd_kernel[(triton.cdiv(n, block),)](
-        dy, h, dh, n, APPROX=APPROXIMATIONS[approximate], ACC=acc_dtype(h), BLOCK=block)
+        dy, h, dh, n, APPROX=gelu_mode(approximate, h), ACC=acc_dtype(h), BLOCK=block)
     return dh
