@@ -93,6 +93,14 @@ def layer_norm_gelu(
     return F.gelu(layer_norm(x, weight, bias, eps), approximate=approximate)
 
 
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
+                  ignore_index: int = -100) -> torch.Tensor:
+    """Mean cross-entropy of logits (..., V) upcast to at least fp32, against targets (...)."""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                           ignore_index=ignore_index)
+
+
 def qkv_projection_packed(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n_heads: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -35,7 +35,8 @@ def op_cases(device: str) -> dict[str, list[tuple[str, Callable[[], tuple]]]]:
     from fusedtrain import ops
 
     r = lambda *s, **k: _rand(*s, device=device, **k)  # noqa: E731
-    cases: dict[str, list] = {"mlp": [], "qkv": [], "attention": [], "layernorm": []}
+    cases: dict[str, list] = {"mlp": [], "qkv": [], "attention": [], "layernorm": [],
+                              "cross_entropy": []}
     for a in ("none", "tanh"):
         cases["mlp"].append((f"linear_gelu[{a}]", lambda a=a: (
             lambda x, w, b: ops.linear_gelu(x, w, b, a), (r(2, 5, 7), r(9, 7), r(9)))))
@@ -53,6 +54,9 @@ def op_cases(device: str) -> dict[str, list[tuple[str, Callable[[], tuple]]]]:
         ops.layer_norm, (r(3, 5, 13), r(13), r(13)))))
     cases["layernorm"].append(("add_layer_norm", lambda: (
         ops.add_layer_norm, (r(3, 5, 13), r(3, 5, 13), r(13), r(13)))))
+    targets = torch.tensor([[3, 0, 10], [-100, 7, 1]], device=device)
+    cases["cross_entropy"].append(("cross_entropy", lambda: (
+        lambda logits: ops.cross_entropy(logits, targets), (r(2, 3, 11),))))
     return cases
 
 
@@ -122,13 +126,15 @@ def accuracy_report(draws: int, device: str, dtype: torch.dtype, large: bool) ->
 
     if large:
         shapes = dict(mlp=(16384, 768, 3072), qkv=(16, 1024, 768, 12),
-                      attn=(16, 12, 1024, 64), ln=(16384, 768))
+                      attn=(16, 12, 1024, 64), ln=(16384, 768), ce=(4096, 50304))
     else:
-        shapes = dict(mlp=(113, 72, 130), qkv=(2, 37, 48, 4), attn=(1, 2, 113, 32), ln=(113, 96))
+        shapes = dict(mlp=(113, 72, 130), qkv=(2, 37, 48, 4), attn=(1, 2, 113, 32), ln=(113, 96),
+                      ce=(113, 1037))
     M, K, N = shapes["mlp"]
     B, T, C, H = shapes["qkv"]
     b_, h_, t_, d_ = shapes["attn"]
     Ml, Cl = shapes["ln"]
+    Mc, V = shapes["ce"]
     r = lambda *s, scale=1.0: _rand(*s, device=device, dtype=torch.float32, grad=False,  # noqa
                                     scale=scale)
     makers = {
@@ -145,15 +151,16 @@ def accuracy_report(draws: int, device: str, dtype: torch.dtype, large: bool) ->
                                                       r(Cl, scale=0.1))),
         "layer_norm_gelu": ("layer_norm_gelu", lambda: (r(Ml, Cl), 1 + r(Cl, scale=0.1),
                                                         r(Cl, scale=0.1))),
+        "cross_entropy": ("cross_entropy", lambda: (
+            r(Mc, V, scale=3.0), torch.randint(0, V, (Mc,), device=device))),
     }
     report = {}
     for op_name, (fn_name, make) in makers.items():
         errs = {"fused": [], "eager": []}
         for _ in range(draws):
             args = make()
-            low = [a.to(dtype) if isinstance(a, torch.Tensor) else a for a in args]
-            ref = getattr(eager, fn_name)(*[a.double() if isinstance(a, torch.Tensor) else a
-                                            for a in args])
+            low = [a.to(dtype) if _floating(a) else a for a in args]
+            ref = getattr(eager, fn_name)(*[a.double() if _floating(a) else a for a in args])
             for impl, mod in (("fused", ops), ("eager", eager)):
                 out = getattr(mod, fn_name)(*low)
                 outs = out if isinstance(out, tuple) else (out,)
@@ -162,6 +169,10 @@ def accuracy_report(draws: int, device: str, dtype: torch.dtype, large: bool) ->
                                              for o, rr in zip(outs, refs)]).cpu())
         report[op_name] = {impl: _summary(torch.cat(v)) for impl, v in errs.items()}
     return report
+
+
+def _floating(a) -> bool:
+    return isinstance(a, torch.Tensor) and a.is_floating_point()
 
 
 def _summary(err: torch.Tensor) -> dict:

@@ -9,9 +9,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from fusedtrain import eager
 from fusedtrain.modules import MLP, CausalSelfAttention, ResidualLayerNorm
 
-KERNEL_FAMILIES = ("mlp", "qkv", "attention", "layernorm")
+KERNEL_FAMILIES = ("mlp", "qkv", "attention", "layernorm", "cross_entropy")
 
 
 @dataclass
@@ -126,9 +127,11 @@ class GPT(nn.Module):
 
     def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy.  idx, targets: (B, T)."""
-        logits = self(idx)
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+        if self.config.kernels["cross_entropy"]:
+            from fusedtrain import ops
+
+            return ops.cross_entropy(self(idx), targets)
+        return eager.cross_entropy(self(idx), targets)
 
     @classmethod
     def from_pretrained(cls, path: str, kernels: dict[str, bool] | None = None,

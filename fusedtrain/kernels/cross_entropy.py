@@ -1,0 +1,93 @@
+"""Cross-entropy over a vocabulary, read straight from low-precision logits.
+
+  cross_entropy_fwd   per row: lse = logsumexp(logits) by an online max/sum over chunks
+                      of the vocabulary (fp32, fp64 for fp64 logits), loss = lse - logit[target].
+  cross_entropy_bwd   per row: dlogits = (softmax(logits) - onehot(target)) * g, written
+                      once in the logits' dtype; softmax recomputed from the saved lse.
+
+Rows whose target is ignore_index get loss 0 and gradient 0. The unfused path upcasts
+the (tokens x vocab) logits to fp32, writes log_softmax, and reads both back in
+backward; here the logits are read once forward and once backward, nothing else the
+size of the logits is written but the gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fusedtrain.kernels import INTERPRET
+from fusedtrain.kernels._common import acc_dtype, row_max, row_sum
+
+BLOCK_V = 1024 if INTERPRET else 4096
+
+
+@triton.jit
+def _ce_fwd_kernel(logits_ptr, target_ptr, loss_ptr, lse_ptr, V, s_row, ignore_index,
+                   ACC: tl.constexpr, BLOCK_V: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    base = logits_ptr + row * s_row
+    cols = tl.arange(0, BLOCK_V)
+    # Running max m and sum l of exp(x - m), kept per lane and combined at the end, so
+    # the loop body has no cross-lane reduction.
+    m = tl.full((BLOCK_V,), float("-inf"), ACC)
+    l = tl.full((BLOCK_V,), 0.0, ACC)
+    for start in range(0, V, BLOCK_V):
+        ok = start + cols < V
+        x = tl.load(base + start + cols, mask=ok, other=float("-inf")).to(ACC)
+        m_new = tl.maximum(m, x)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # lanes with nothing yet
+        l = l * tl.exp(m - m_safe) + tl.exp(x - m_safe)
+        m = m_new
+    m_row = row_max(m, 0)
+    lse = m_row + tl.log(row_sum(l * tl.exp(m - m_row), 0))
+    target = tl.load(target_ptr + row)
+    in_range = (target >= 0) & (target < V)
+    x_t = tl.load(base + tl.where(in_range, target, 0)).to(ACC)
+    # an ignored row adds 0; a target outside [0, V) gives NaN rather than a stray read
+    loss = tl.where(in_range, lse - x_t, float("nan"))
+    tl.store(loss_ptr + row, tl.where(target == ignore_index, 0.0, loss))
+    tl.store(lse_ptr + row, lse)
+
+
+@triton.jit
+def _ce_bwd_kernel(logits_ptr, target_ptr, lse_ptr, g_ptr, dlogits_ptr, V, s_row, s_drow,
+                   ignore_index, ACC: tl.constexpr, BLOCK_V: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_V)
+    target = tl.load(target_ptr + row)
+    lse = tl.load(lse_ptr + row)
+    # g: the loss gradient per row (d mean / d row loss), zero for ignored rows
+    g = tl.where(target != ignore_index, tl.load(g_ptr).to(ACC), 0.0)
+    for start in range(0, V, BLOCK_V):
+        idx = start + cols
+        ok = idx < V
+        x = tl.load(logits_ptr + row * s_row + idx, mask=ok, other=0.0).to(ACC)
+        d = (tl.exp(x - lse) - tl.where(idx == target, 1.0, 0.0)) * g
+        tl.store(dlogits_ptr + row * s_drow + idx, d.to(dlogits_ptr.dtype.element_ty), mask=ok)
+
+
+def cross_entropy_fwd(logits: torch.Tensor, targets: torch.Tensor,
+                      ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits: (M, V) with unit column stride, targets: (M,) int64 ->
+    (loss per row, lse per row), both (M,) fp32 (fp64 for fp64 logits)."""
+    M, V = logits.shape
+    stat = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    loss = torch.empty(M, device=logits.device, dtype=stat)
+    lse = torch.empty_like(loss)
+    _ce_fwd_kernel[(M,)](logits, targets, loss, lse, V, logits.stride(0), ignore_index,
+                         ACC=acc_dtype(logits), BLOCK_V=BLOCK_V, num_warps=8)
+    return loss, lse
+
+
+def cross_entropy_bwd(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor,
+                      g: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """dlogits: (M, V) in the logits' dtype; g is a one-element tensor, the gradient of
+    the loss with respect to each (non-ignored) row's loss."""
+    M, V = logits.shape
+    dlogits = torch.empty((M, V), device=logits.device, dtype=logits.dtype)
+    _ce_bwd_kernel[(M,)](logits, targets, lse, g, dlogits, V, logits.stride(0),
+                         dlogits.stride(0), ignore_index, ACC=acc_dtype(logits),
+                         BLOCK_V=BLOCK_V, num_warps=8)
+    return dlogits
