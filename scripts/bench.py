@@ -1,6 +1,6 @@
 """Benchmarks, every competitor in this one process, on fresh random data.
 
-  python scripts/bench.py kernels [--family linear_gelu qkv attention layernorm] [--out DIR]
+  python scripts/bench.py kernels [--family linear_gelu qkv attention layernorm cross_entropy] [--out DIR]
       kernel microbenchmarks (triton.testing.do_bench medians): fused vs eager vs
       torch.compile vs the library ceiling -> DIR/kernels.json, DIR/kernels.png
   python scripts/bench.py train [--model gpt2] [--batch 16] [--seq 1024] [--steps 20] [--out DIR]
@@ -190,6 +190,28 @@ def bench_layernorm(rows: list[dict]) -> None:
             row["fwd_GBps"] = {k: fwd_bytes / ms / 1e6 for k, ms in row["fwd"].items()}
             row["copy_GBps"] = copy_gbs
             rows.append(row)
+
+
+def bench_cross_entropy(rows: list[dict]) -> None:
+    """The loss over GPT-2's vocabulary: fused against F.cross_entropy on fp32-upcast
+    logits (the model's eager loss) and its torch.compile."""
+    for M, V in [(16384, 50304), (8192, 128256)]:
+        logits = randn(M, V, scale=3.0)
+        t = torch.randint(0, V, (M,), device="cuda")
+        fns = {"fused": ops.cross_entropy, "eager": eager.cross_entropy,
+               "compile": compiled(eager.cross_entropy)}
+        row = {"family": "cross_entropy", "shape": f"M={M} V={V}"}
+        with torch.no_grad():
+            row["fwd"] = {k: bench(lambda f=f: f(logits, t)) for k, f in fns.items()}
+        row["fwd_bwd"] = {k: bench(fwd_bwd(f, (logits, t))) for k, f in fns.items()}
+        torch.cuda.reset_peak_memory_stats()
+        for k, f in fns.items():
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            fwd_bwd(f, (logits, t))()
+            row.setdefault("peak_MiB", {})[k] = (torch.cuda.max_memory_allocated() - base) / 2**20
+        rows.append(row)
 
 
 # ---------------------------------------------------------------- training
@@ -430,7 +452,7 @@ def plot_train(results: dict, path: Path, title: str) -> None:
 
 
 FAMILIES = {"linear_gelu": bench_linear_gelu, "qkv": bench_qkv, "attention": bench_attention,
-            "layernorm": bench_layernorm}
+            "layernorm": bench_layernorm, "cross_entropy": bench_cross_entropy}
 
 
 # ---------------------------------------------------------------- report
@@ -447,7 +469,7 @@ def print_table(rows: list[dict]) -> None:
                 f"{k} {v:.3f}ms" + (f" ({v / base:.2f}x)" if base and k != "fused" else "")
                 for k, v in t.items())
             print(f"{r['family']:<11} {r['shape']:<38} {key:<7} {cells}")
-        for extra in ("saved_MiB", "fwd_bwd_tflops", "fwd_GBps"):
+        for extra in ("saved_MiB", "fwd_bwd_tflops", "fwd_GBps", "peak_MiB"):
             if extra in r:
                 vals = "  ".join(f"{k} {v:.1f}" for k, v in r[extra].items())
                 print(f"{'':<11} {r['shape']:<38} {extra}: {vals}")
