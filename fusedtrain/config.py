@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 
 from fusedtrain.data import DataConfig
@@ -51,6 +52,10 @@ def build_run_config(cfg: DictConfig) -> RunConfig:
     max_steps = trainer.get("max_steps", -1)
     if not isinstance(max_steps, int) or max_steps <= 0:
         raise ConfigError(f"trainer.max_steps must be a positive integer, got {max_steps!r}")
+    if trainer.get("strategy") == "fsdp" and (trainer.get("accelerator") == "cpu"
+                                              or not torch.cuda.is_available()):
+        raise ConfigError("trainer.strategy=fsdp needs CUDA GPUs (Lightning's FSDP is "
+                          "GPU-only); on CPUs use trainer=ddp trainer.accelerator=cpu")
     skip = c.get("throughput_skip_steps", 5)
     if not isinstance(skip, int) or skip < 0:
         raise ConfigError(f"throughput_skip_steps must be a non-negative integer, got {skip!r}")

@@ -110,8 +110,11 @@ class GPTModule(L.LightningModule):
 
     def configure_optimizers(self):
         o = self.optim_cfg
-        decay = [p for p in self.model.parameters() if p.dim() >= 2]
-        no_decay = [p for p in self.model.parameters() if p.dim() < 2]
+        # Decay the matrices (embeddings, projections), not biases or LayerNorm scales;
+        # decided by name, since FSDP exposes every parameter as a flat 1-D shard.
+        named = list(self.model.named_parameters())
+        decay = [p for n, p in named if n.endswith("weight") and "ln_" not in n]
+        no_decay = [p for n, p in named if not (n.endswith("weight") and "ln_" not in n)]
         opt = torch.optim.AdamW(
             [{"params": decay, "weight_decay": o.weight_decay},
              {"params": no_decay, "weight_decay": 0.0}],
@@ -138,7 +141,8 @@ class SaveOnInterrupt(L.Callback):
 
 
 class ThroughputMonitor(L.Callback):
-    """Logs tokens/s (and MFU on a known GPU) over a sliding window of steps.
+    """Logs tokens/s over all devices (and per device, when there are several) and MFU
+    (per device, on a known GPU) over a sliding window of steps.
 
     The first `skip_steps` steps (torch.compile, Triton autotuning, allocator
     warm-up) are left out of the rate; the window start is synchronised so the
@@ -166,7 +170,9 @@ class ThroughputMonitor(L.Callback):
         elapsed = self._marks[-1][0] - self._marks[0][0]
         done = sum(t for _, t in self._marks[1:])
         self.tokens_per_s = done / elapsed
-        pl_module.log("tokens_per_s", self.tokens_per_s, prog_bar=True)
+        pl_module.log("tokens_per_s", self.tokens_per_s, prog_bar=True)  # all devices
+        if trainer.world_size > 1:
+            pl_module.log("tokens_per_s_per_device", self.tokens_per_s / trainer.world_size)
         peak = peak_flops()
         if peak is not None:
             flops = pl_module.model.flops_per_token(x.shape[1]) * self.tokens_per_s

@@ -1,6 +1,7 @@
 """Benchmarks, every competitor in this one process, on fresh random data.
 
-  python scripts/bench.py kernels [--family linear_gelu qkv attention layernorm cross_entropy] [--out DIR]
+  python scripts/bench.py kernels [--family linear_gelu qkv attention layernorm cross_entropy]
+      [--out DIR]
       kernel microbenchmarks (triton.testing.do_bench medians): fused vs eager vs
       torch.compile vs the library ceiling -> DIR/kernels.json, DIR/kernels.png
   python scripts/bench.py train [--model gpt2] [--batch 16] [--seq 1024] [--steps 20] [--out DIR]

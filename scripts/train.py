@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 from pathlib import Path
@@ -51,6 +52,16 @@ def resolve_ckpt(ckpt_path: str | None, run_dir: Path) -> str | None:
     raise CheckpointError(f"ckpt_path=last: no loadable checkpoint in {last.parent}")
 
 
+def fsdp_strategy():
+    """FSDP with one unit per transformer block (the blocks' parameters are gathered one
+    block at a time) and whole (unsharded) state dicts in checkpoints."""
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    from fusedtrain.model import Block
+
+    return FSDPStrategy(auto_wrap_policy={Block}, state_dict_type="full")
+
+
 def train(cfg: DictConfig) -> dict:
     run = build_run_config(cfg)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
@@ -65,6 +76,8 @@ def train(cfg: DictConfig) -> dict:
         trainer_kwargs["precision"] = "bf16-mixed" if on_gpu else "32-true"
     if run.deterministic:
         trainer_kwargs["deterministic"] = True
+    if trainer_kwargs.get("strategy") == "fsdp":
+        trainer_kwargs["strategy"] = fsdp_strategy()
     max_steps = trainer_kwargs["max_steps"]
     if trainer_kwargs.get("limit_val_batches") == 0:
         trainer_kwargs.pop("val_check_interval", None)
@@ -97,14 +110,21 @@ def train(cfg: DictConfig) -> dict:
         "train_loss": metrics.get("train/loss"),
         "val_loss": metrics.get("val/loss"),
         "tokens_per_s": throughput.tokens_per_s,
+        "devices": trainer.world_size,
         "mfu": throughput.mfu,
         "run_dir": str(run_dir),
     }
+    if torch.cuda.is_available() and trainer_kwargs.get("accelerator") != "cpu":
+        summary["peak_mem_GiB"] = torch.cuda.max_memory_allocated() / 2 ** 30  # this rank's
     fmt = lambda v: "n/a" if v is None else f"{v:.4g}"  # noqa: E731
     if not trainer.is_global_zero:
         return summary
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     print(f"done: {summary['steps']} steps, train loss {fmt(summary['train_loss'])}, "
           f"val loss {fmt(summary['val_loss'])}, {fmt(summary['tokens_per_s'])} tokens/s"
+          + (f" ({fmt(summary['tokens_per_s'] / trainer.world_size)} per device on "
+             f"{trainer.world_size})" if trainer.world_size > 1 and summary["tokens_per_s"]
+             else "")
           + (f", MFU {summary['mfu']:.3f}" if summary["mfu"] is not None else "")
           + f", outputs in {run_dir}")
     return summary

@@ -43,6 +43,7 @@ def test_fused_training_end_to_end(tmp_path):
 @pytest.mark.parametrize("override,setting", [
     ("optim.lr=0", "optim.lr"), ("model.n_head=5", "model.n_head"),
     ("data.batch_size=-2", "data.batch_size"),
+    ("trainer=fsdp", "fsdp"),
 ])
 def test_config_errors_exit_nonzero_naming_the_setting(tmp_path, override, setting):
     r = _train(tmp_path, override, timeout=120)

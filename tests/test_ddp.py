@@ -1,9 +1,11 @@
 import csv
+import json
 import os
 import subprocess
 import sys
 
 import pytest
+import torch
 from conftest import ROOT
 
 
@@ -28,3 +30,32 @@ def test_ddp_on_two_cpu_processes_matches_one_process_on_the_global_batch(tmp_pa
     assert len(ddp) == len(single) == 3
     for a, b in zip(ddp, single):
         assert abs(a - b) < 1e-4, (ddp, single)
+
+
+def _gpt2_summary(run_dir, tmp_path, *overrides):
+    """A short gpt2 run (B=16 per GPU, T=1024, synthetic tokens): its summary.json."""
+    cmd = [sys.executable, str(ROOT / "scripts" / "train.py"), f"hydra.run.dir={run_dir}",
+           "model=gpt2", "data=synthetic", "data.batch_size=16", "trainer.max_steps=40",
+           "trainer.val_check_interval=40", "trainer.limit_val_batches=1",
+           "throughput_skip_steps=10", "fused=true", *overrides]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                       env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    print(f"{run_dir.name}: {summary}")
+    return summary
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_two_gpu_ddp_scales_and_fsdp_shards(tmp_path):
+    single = _gpt2_summary(tmp_path / "single", tmp_path, "trainer=gpu")
+    ddp = _gpt2_summary(tmp_path / "ddp", tmp_path, "trainer=ddp")
+    fsdp = _gpt2_summary(tmp_path / "fsdp", tmp_path, "trainer=fsdp")
+    assert ddp["devices"] == fsdp["devices"] == 2
+    efficiency = ddp["tokens_per_s"] / (2 * single["tokens_per_s"])
+    print(f"DDP scaling efficiency {efficiency:.3f}; FSDP {fsdp['tokens_per_s']:.0f} tokens/s; "
+          f"peak GiB per GPU: single {single['peak_mem_GiB']:.2f}, ddp {ddp['peak_mem_GiB']:.2f}, "
+          f"fsdp {fsdp['peak_mem_GiB']:.2f}")
+    assert efficiency >= 0.90
+    assert fsdp["peak_mem_GiB"] < ddp["peak_mem_GiB"]

@@ -85,8 +85,9 @@ def _matmul_gelu_rhs_kernel(
     # its own slice s of C; the host sums the slices. The output (C x 4C) is small and
     # K (tokens) long, so without the split too few tiles exist to fill the GPU.
     k0 = tl.program_id(1).to(tl.int64) * K_SPLIT
-    acc, offs_m, offs_n, mask = gemm_tile(a_ptr + k0 * s_ak, h_ptr + k0 * s_hk, M, N,
-                                          tl.minimum(K - k0, K_SPLIT), s_am, s_ak, s_hk, s_hn,
+    k_len = tl.minimum(K - k0, K_SPLIT).to(tl.int32)
+    acc, offs_m, offs_n, mask = gemm_tile(a_ptr + k0 * s_ak, h_ptr + k0 * s_hk, M, N, k_len,
+                                          s_am, s_ak, s_hk, s_hn,
                                           ACC, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
                                           B_GELU=True, APPROX=APPROX)
     c_ptr += tl.program_id(1).to(tl.int64) * s_cs
