@@ -1,6 +1,7 @@
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import ROOT
 from hydra import compose, initialize_config_dir
 
@@ -28,7 +29,10 @@ def test_every_group_file_composes(group, option):
     if option == "hub":
         overrides.append("data.name=some/dataset")
     cfg = _compose(overrides)
-    if group != "data" or option in ("stdlib", "synthetic"):
+    if option == "fsdp" and not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="fsdp needs CUDA"):
+            build_run_config(cfg)
+    elif group != "data" or option in ("stdlib", "synthetic"):
         build_run_config(cfg)
 
 
