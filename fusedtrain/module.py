@@ -108,6 +108,20 @@ class GPTModule(L.LightningModule):
         x, y = batch
         self.log("val/loss", self._loss_fn(x, y), prog_bar=True, sync_dist=True)
 
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None,
+                                    gradient_clip_algorithm=None) -> None:
+        """Norm clipping under FSDP through the root FSDP module, which reduces the norm
+        over every rank's shard (Lightning's FSDP precision plugin refuses norm clipping,
+        and a per-rank torch.nn.utils.clip_grad_norm_ would see only its own shard)."""
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        root = self.trainer.strategy.model
+        if (isinstance(root, FullyShardedDataParallel) and gradient_clip_val
+                and gradient_clip_algorithm in (None, "norm")):
+            root.clip_grad_norm_(gradient_clip_val)
+            return
+        self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
     def configure_optimizers(self):
         o = self.optim_cfg
         # Decay the matrices (embeddings, projections), not biases or LayerNorm scales;
