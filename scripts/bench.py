@@ -374,7 +374,9 @@ def run_profile(args) -> str:
     return "\n".join(lines)
 
 
-def run_train(args) -> dict:
+def run_train(args, save=lambda results: None) -> dict:
+    """Every variant in turn; `save(results)` after each, so an interrupted run keeps
+    what it measured."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     variants = train_variants(args.ablation)
     if args.variants:
@@ -387,6 +389,7 @@ def run_train(args) -> dict:
                                                 args.warmup, v, device, args.data)
         except torch.OutOfMemoryError as e:
             results[name] = {"error": f"out of memory: {str(e)[:100]}"}
+        save(results)
         if device == "cuda":
             torch.cuda.empty_cache()
         r = results[name]
@@ -562,8 +565,12 @@ def main(argv=None) -> int:
         info = env() if torch.cuda.is_available() else {"device": "cpu"}
         info.update(model=args.model, batch=args.batch, seq=args.seq, steps=args.steps)
         print(json.dumps(info), flush=True)
-        results = run_train(args)
-        (out / "train.json").write_text(json.dumps({"env": info, "results": results}, indent=1))
+        def save(results):
+            (out / "train.json").write_text(json.dumps({"env": info, "results": results},
+                                                       indent=1))
+
+        results = run_train(args, save)
+        save(results)
         plot_train(results, out / "train.png", json.dumps(info)[:150])
         return 0
     if not torch.cuda.is_available():
