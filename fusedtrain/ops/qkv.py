@@ -80,8 +80,9 @@ class QKVProjectionFunction(torch.autograd.Function):
         dw = _qkv_dw(dq, dk, dv, x)
         db = None
         if bias is not None:
-            db = torch.cat([g.sum((0, 2), dtype=torch.float32).flatten() for g in (dq, dk, dv)])
-            db = db.to(bias.dtype)
+            # In the gradients' own dtype, as eager's bias gradient is (the reduction
+            # accumulates low precision in fp32 either way).
+            db = torch.cat([g.sum((0, 2)).flatten() for g in (dq, dk, dv)]).to(bias.dtype)
         return dx, dw, db, None
 
 
