@@ -218,8 +218,9 @@ def bench_cross_entropy(rows: list[dict]) -> None:
 # ---------------------------------------------------------------- training
 
 
-def train_variants(ablation: bool) -> dict[str, dict]:
-    """name -> {kernels, eager_attention, compile}."""
+def train_variants(ablation: bool, compile_mode: str = "default") -> dict[str, dict]:
+    """name -> {kernels, eager_attention, compile}; compile is False or a torch.compile
+    mode, the same for every compiled variant."""
     from fusedtrain.model import KERNEL_FAMILIES
 
     none = dict.fromkeys(KERNEL_FAMILIES, False)
@@ -227,9 +228,9 @@ def train_variants(ablation: bool) -> dict[str, dict]:
     v = {
         "eager-math": dict(kernels=none, eager_attention="math", compile=False),
         "eager-sdpa": dict(kernels=none, eager_attention="sdpa", compile=False),
-        "compile-sdpa": dict(kernels=none, eager_attention="sdpa", compile=True),
+        "compile-sdpa": dict(kernels=none, eager_attention="sdpa", compile=compile_mode),
         "fused": dict(kernels=every, eager_attention="sdpa", compile=False),
-        "compile-fused": dict(kernels=every, eager_attention="sdpa", compile=True),
+        "compile-fused": dict(kernels=every, eager_attention="sdpa", compile=compile_mode),
     }
     if ablation:
         for fam in KERNEL_FAMILIES:
@@ -269,18 +270,23 @@ def train_setup(model_name: str, batch: int, seq: int, n_batches: int, variant: 
                        "eager_attention": variant["eager_attention"]})
     torch.manual_seed(0)
     model = GPT(cfg).to(device)
-    loss_fn = torch.compile(model.loss) if variant["compile"] else model.loss
+    mode = variant["compile"]
+    loss_fn = torch.compile(model.loss, mode=None if mode == "default" else mode) if mode \
+        else model.loss
+    graphs = mode == "reduce-overhead"
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
     data = training_batches(data_source, n_batches, batch, seq, cfg.vocab_size, device)
     amp = torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda")
 
     def step(i: int) -> torch.Tensor:
+        if graphs:  # CUDA-graph replays reuse their output memory: one step per replay
+            torch.compiler.cudagraph_mark_step_begin()
         with amp:
             loss = loss_fn(data[i, :, :-1], data[i, :, 1:])
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return loss.detach()
+        return loss.detach().clone()
 
     return model, step, data
 
@@ -378,7 +384,7 @@ def run_train(args, save=lambda results: None) -> dict:
     """Every variant in turn; `save(results)` after each, so an interrupted run keeps
     what it measured."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    variants = train_variants(args.ablation)
+    variants = train_variants(args.ablation, args.compile_mode)
     if args.variants:
         variants = {k: v for k, v in variants.items() if k in args.variants}
     results = {}
@@ -519,6 +525,10 @@ def main(argv=None) -> int:
     t.add_argument("--steps", type=int, default=20)
     t.add_argument("--warmup", type=int, default=5)
     t.add_argument("--ablation", action="store_true", help="also fused minus one family")
+    t.add_argument("--compile-mode", default="default",
+                   choices=["default", "reduce-overhead", "max-autotune-no-cudagraphs"],
+                   help="torch.compile mode of the compiled variants (reduce-overhead: CUDA "
+                        "graphs, which also remove the host's launch cost)")
     t.add_argument("--variants", nargs="+", help="run only these variants")
     t.add_argument("--data", default="synthetic", choices=["synthetic", "stdlib"])
     t.add_argument("--out", default="results")
@@ -563,7 +573,8 @@ def main(argv=None) -> int:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         info = env() if torch.cuda.is_available() else {"device": "cpu"}
-        info.update(model=args.model, batch=args.batch, seq=args.seq, steps=args.steps)
+        info.update(model=args.model, batch=args.batch, seq=args.seq, steps=args.steps,
+                    compile_mode=args.compile_mode)
         print(json.dumps(info), flush=True)
         def save(results):
             (out / "train.json").write_text(json.dumps({"env": info, "results": results},
