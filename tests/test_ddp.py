@@ -59,3 +59,20 @@ def test_two_gpu_ddp_scales_and_fsdp_shards(tmp_path):
           f"fsdp {fsdp['peak_mem_GiB']:.2f}")
     assert efficiency >= 0.90
     assert fsdp["peak_mem_GiB"] < ddp["peak_mem_GiB"]
+
+
+def test_fused_ops_refuse_dtensors_by_name():
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    from fusedtrain import ops
+
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        w = distribute_tensor(torch.ones(8), mesh, [Replicate()])
+        with pytest.raises(TypeError, match="weight is a DTensor"):
+            ops.layer_norm(torch.randn(4, 8), w, None)
+    finally:
+        dist.destroy_process_group()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from fusedtrain.kernels._common import SUPPORTED_DTYPES
@@ -9,9 +11,23 @@ from fusedtrain.kernels._common import SUPPORTED_DTYPES
 GELU_FORMS = ("none", "tanh")
 
 
+@functools.cache
+def _dtensor_type() -> type | tuple:
+    if not torch.distributed.is_available():
+        return ()
+    from torch.distributed.tensor import DTensor
+
+    return DTensor
+
+
 def check_tensor(name: str, t, *, ndim: int | None = None, min_ndim: int | None = None) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if isinstance(t, _dtensor_type()):
+        # FSDP and DDP hand the ops plain tensors; a DTensor arrives only under tensor
+        # parallelism, where a kernel would see one shard and silently compute on it.
+        raise TypeError(f"{name} is a DTensor (sharded): the fused ops take local tensors; "
+                        f"pass {name}.full_tensor() or .to_local(), or use the eager path")
     if t.dtype not in SUPPORTED_DTYPES:
         raise TypeError(
             f"{name} has dtype {t.dtype}; supported: float16, bfloat16, float32, float64"
