@@ -395,6 +395,8 @@ def run_train(args, save=lambda results: None) -> dict:
                                                 args.warmup, v, device, args.data)
         except torch.OutOfMemoryError as e:
             results[name] = {"error": f"out of memory: {str(e)[:100]}"}
+        except Exception as e:  # one failing variant must not lose the others' figures
+            results[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
         save(results)
         if device == "cuda":
             torch.cuda.empty_cache()
