@@ -15,6 +15,7 @@ import logging
 import os
 import sys
 import sysconfig
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -261,19 +262,20 @@ class RandomWindows(Dataset):
 class SkipSampler(torch.utils.data.Sampler):
     """Indices start + rank, start + rank + world, ... of one global sample stream.
 
-    The stream position survives a resume (`start`), and under data parallelism each
-    rank takes every world-th sample, so one step of W ranks with batch B covers the
-    same B*W samples as one step of a single process with batch B*W.
+    `start()` is asked each time an epoch's iterator is made, so the stream continues
+    where training is, across a resume and across any epoch boundary Lightning draws.
+    Under data parallelism each rank takes every world-th sample, so one step of W ranks
+    with batch B covers the same B*W samples as one step of a single process with batch B*W.
     """
 
-    def __init__(self, length: int, start: int = 0, rank: int = 0, world: int = 1):
+    def __init__(self, length: int, start: Callable[[], int], rank: int = 0, world: int = 1):
         self.length, self.start, self.rank, self.world = length, start, rank, world
 
     def __len__(self) -> int:
-        return max(0, self.length - self.start - self.rank + self.world - 1) // self.world
+        return max(0, self.length - self.start() - self.rank + self.world - 1) // self.world
 
     def __iter__(self):
-        return iter(range(self.start + self.rank, self.length, self.world))
+        return iter(range(self.start() + self.rank, self.length, self.world))
 
 
 class TokenDataModule(L.LightningDataModule):
@@ -282,7 +284,7 @@ class TokenDataModule(L.LightningDataModule):
         super().__init__()
         self.cfg, self.seq_len, self.vocab_size, self.seed = cfg, seq_len, vocab_size, seed
         self.max_steps = max(1, max_steps)
-        self.start_sample = 0  # set on resume
+        self.resumed_at = (0, 0)  # (sample, step) of the checkpoint resumed from
         self.train_set: RandomWindows | None = None
         self.val_set: RandomWindows | None = None
 
@@ -290,13 +292,21 @@ class TokenDataModule(L.LightningDataModule):
         t = self.trainer
         return (t.global_rank, t.world_size) if t is not None else (0, 1)
 
+    def position(self) -> int:
+        """The next sample of the global stream: where the resumed checkpoint stood, plus
+        the samples of every step taken since."""
+        sample, step = self.resumed_at
+        now = self.trainer.global_step if self.trainer is not None else step
+        return sample + (now - step) * self.cfg.batch_size * self._ranks()[1]
+
     def state_dict(self) -> dict:
-        """The position in the global sample stream, so a resume continues where it stopped."""
         step = self.trainer.global_step if self.trainer is not None else 0
-        return {"start_sample": step * self.cfg.batch_size * self._ranks()[1]}
+        return {"start_sample": self.position(), "step": step}
 
     def load_state_dict(self, state: dict) -> None:
-        self.start_sample = int(state["start_sample"])
+        sample = int(state["start_sample"])
+        step = state.get("step", sample // (self.cfg.batch_size * self._ranks()[1]))
+        self.resumed_at = (sample, int(step))
 
     def prepare_data(self) -> None:
         if self.cfg.source != "synthetic":
@@ -319,7 +329,7 @@ class TokenDataModule(L.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         return DataLoader(
             self.train_set, batch_size=self.cfg.batch_size,
-            sampler=SkipSampler(len(self.train_set), self.start_sample, *self._ranks()),
+            sampler=SkipSampler(len(self.train_set), self.position, *self._ranks()),
             num_workers=self.cfg.num_workers, pin_memory=torch.cuda.is_available(),
             drop_last=True,
         )

@@ -32,6 +32,22 @@ def test_ddp_on_two_cpu_processes_matches_one_process_on_the_global_batch(tmp_pa
         assert abs(a - b) < 1e-4, (ddp, single)
 
 
+@pytest.mark.slow
+def test_ddp_resume_with_more_steps_continues_the_sample_stream(tmp_path):
+    """Two CPU ranks: 3 steps, then resume from last.ckpt with max_steps=5. Every step
+    of the resumed run matches an uninterrupted 5-step run (once, Lightning started a
+    new epoch after the resume and the stream restarted at the resume point)."""
+    ddp = ["trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2", "data.batch_size=2",
+           "fused=false"]
+    _, first = _train(tmp_path / "run", tmp_path, *ddp)
+    _, resumed = _train(tmp_path / "run", tmp_path, *ddp, "trainer.max_steps=5",
+                        "trainer.val_check_interval=5", "ckpt_path=last")
+    _, straight = _train(tmp_path / "straight", tmp_path, *ddp, "trainer.max_steps=5",
+                         "trainer.val_check_interval=5")
+    assert len(first) == 3 and len(straight) == 5
+    assert resumed[-2:] == pytest.approx(straight[-2:], abs=1e-6)
+
+
 def _gpt2_summary(run_dir, tmp_path, *overrides):
     """A short gpt2 run (B=16 per GPU, T=1024, synthetic tokens): its summary.json."""
     cmd = [sys.executable, str(ROOT / "scripts" / "train.py"), f"hydra.run.dir={run_dir}",
