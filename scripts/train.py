@@ -52,6 +52,14 @@ def resolve_ckpt(ckpt_path: str | None, run_dir: Path) -> str | None:
     raise CheckpointError(f"ckpt_path=last: no loadable checkpoint in {last.parent}")
 
 
+def ddp_strategy():
+    """DDP with the gradients living in the all-reduce buckets (no copy in or out) and the
+    graph declared static (every step uses every parameter the same way)."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    return DDPStrategy(gradient_as_bucket_view=True, static_graph=True)
+
+
 def fsdp_strategy():
     """FSDP with one unit per transformer block (the blocks' parameters are gathered one
     block at a time) and whole (unsharded) state dicts in checkpoints."""
@@ -78,6 +86,8 @@ def train(cfg: DictConfig) -> dict:
         trainer_kwargs["deterministic"] = True
     if trainer_kwargs.get("strategy") == "fsdp":
         trainer_kwargs["strategy"] = fsdp_strategy()
+    elif trainer_kwargs.get("strategy") == "ddp":
+        trainer_kwargs["strategy"] = ddp_strategy()
     max_steps = trainer_kwargs["max_steps"]
     if trainer_kwargs.get("limit_val_batches") == 0:
         trainer_kwargs.pop("val_check_interval", None)
