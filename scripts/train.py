@@ -18,20 +18,21 @@ from omegaconf import DictConfig, OmegaConf
 from fusedtrain.checkpoint import CheckpointError, SafeCheckpointIO, load_checkpoint
 from fusedtrain.config import ConfigError, build_run_config
 from fusedtrain.data import TokenDataModule
+from fusedtrain.model import GPTConfig
 from fusedtrain.module import GPTModule, NonFiniteLossError, SaveOnInterrupt, ThroughputMonitor
 
 log = logging.getLogger("fusedtrain")
 
 
-def resolve_ckpt(ckpt_path: str | None, run_dir: Path) -> str | None:
+def resolve_ckpt(ckpt_path: str | None, run_dir: Path) -> tuple[str, dict] | None:
     """'last' -> this run dir's last.ckpt, else the newest last.ckpt under outputs/.
     The checkpoint is verified (hash, safe load) before any training starts; a bad
-    'last' falls back to the newest good checkpoint beside it, named in the log."""
+    'last' falls back to the newest good checkpoint beside it, named in the log.
+    Returns (path, loaded checkpoint)."""
     if ckpt_path is None:
         return None
     if ckpt_path != "last":
-        load_checkpoint(ckpt_path)  # raises CheckpointError naming the file
-        return ckpt_path
+        return ckpt_path, load_checkpoint(ckpt_path)  # raises CheckpointError naming it
     here = run_dir / "checkpoints" / "last.ckpt"
     found = [here] if here.is_file() else sorted(
         Path("outputs").glob("**/checkpoints/last.ckpt"), key=lambda p: p.stat().st_mtime)
@@ -42,14 +43,31 @@ def resolve_ckpt(ckpt_path: str | None, run_dir: Path) -> str | None:
                                  key=lambda p: p.stat().st_mtime, reverse=True)
     for cand in candidates:
         try:
-            load_checkpoint(cand)
+            loaded = load_checkpoint(cand)
         except CheckpointError as e:
             log.warning("%s", e)
             continue
         if cand != last:
             log.warning("resuming from %s instead", cand)
-        return str(cand)
+        return str(cand), loaded
     raise CheckpointError(f"ckpt_path=last: no loadable checkpoint in {last.parent}")
+
+
+ARCHITECTURE = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "bias")
+
+
+def check_resumable(path: str, ckpt: dict, model: GPTConfig) -> None:
+    """The checkpoint's model must have this run's shapes (fused or eager, dropout and the
+    GELU form may differ: they share every parameter)."""
+    saved = ckpt.get("hyper_parameters", {}).get("model", {})
+    diff = [f"model.{k}={saved[k]!r} there, {getattr(model, k)!r} here"
+            for k in ARCHITECTURE if k in saved and saved[k] != getattr(model, k)]
+    if diff:
+        raise ConfigError(f"ckpt_path: {path} was trained with another model shape ("
+                          + "; ".join(diff) + ")")
+    if saved.get("gelu", model.gelu) != model.gelu:
+        log.warning("resuming a model trained with gelu=%s as gelu=%s", saved["gelu"],
+                    model.gelu)
 
 
 def ddp_strategy():
@@ -100,7 +118,10 @@ def train(cfg: DictConfig) -> dict:
     checkpoints = ModelCheckpoint(dirpath=str(ckpt_dir), filename="step{step}",
                                   auto_insert_metric_name=False, save_last=True,
                                   monitor="val/loss", save_top_k=1)
-    ckpt_path = resolve_ckpt(run.ckpt_path, run_dir)
+    resume = resolve_ckpt(run.ckpt_path, run_dir)
+    if resume is not None:
+        check_resumable(resume[0], resume[1], run.model)
+    ckpt_path = resume[0] if resume is not None else None
     loggers = [CSVLogger(run_dir, name="", version="")]
     if run.tensorboard:
         from lightning.pytorch.loggers import TensorBoardLogger

@@ -138,6 +138,16 @@ def test_bad_checkpoint_path_is_named(tmp_path):
     assert "nope.ckpt" in r.stderr
 
 
+def test_resuming_another_model_shape_is_refused_by_name(tmp_path):
+    r = _run([f"hydra.run.dir={tmp_path}", "trainer.max_steps=2",
+              "trainer.val_check_interval=2", "trainer.limit_val_batches=1"], tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = _run([f"hydra.run.dir={tmp_path}", "ckpt_path=last", "model.n_layer=3",
+              "trainer.max_steps=4"], tmp_path, timeout=120)
+    assert r.returncode == 2
+    assert "model.n_layer=2 there, 3 here" in r.stderr
+
+
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
 def test_signal_saves_a_checkpoint_and_exits(tmp_path, sig):
     patch = f"""
