@@ -81,10 +81,13 @@ class GPTModule(L.LightningModule):
     def training_step(self, batch, batch_idx):
         x, y = batch
         loss = self._loss_fn(x, y)
-        if not torch.isfinite(loss):
+        finite = bool(torch.isfinite(loss))
+        if self.trainer.world_size > 1:  # every rank stops together, none waits forever
+            finite = self.trainer.strategy.reduce_boolean_decision(finite, all=True)
+        if not finite:
             raise NonFiniteLossError(
-                f"non-finite training loss ({loss.item()}) at step {self.global_step}; "
-                f"stopping, the last good checkpoint is kept")
+                f"non-finite training loss at step {self.global_step} (this rank's loss: "
+                f"{loss.item()}); stopping, the last good checkpoint is kept")
         self.log("train/loss", loss, prog_bar=True, sync_dist=True)  # mean over ranks
         return loss
 

@@ -3,6 +3,7 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 
 import pytest
 import torch
@@ -46,6 +47,33 @@ def test_ddp_resume_with_more_steps_continues_the_sample_stream(tmp_path):
                          "trainer.val_check_interval=5")
     assert len(first) == 3 and len(straight) == 5
     assert resumed[-2:] == pytest.approx(straight[-2:], abs=1e-6)
+
+
+@pytest.mark.slow
+def test_non_finite_loss_on_one_rank_stops_every_rank(tmp_path):
+    """Rank 0 (the patched launcher process) sees NaN from step 3, rank 1 does not: both
+    must stop with the non-finite-loss error instead of rank 1 hanging in a collective."""
+    patch = textwrap.dedent("""
+        from fusedtrain.model import GPT
+        real_loss, calls = GPT.loss, [0]
+        def loss(self, idx, targets):
+            calls[0] += 1
+            out = real_loss(self, idx, targets)
+            return out * float("nan") if self.training and calls[0] > 2 else out
+        GPT.loss = loss
+        import runpy, sys
+        sys.argv = [{train!r}] + sys.argv[1:]
+        runpy.run_path(sys.argv[0], run_name="__main__")
+    """).format(train=str(ROOT / "scripts" / "train.py"))
+    cmd = [sys.executable, "-c", patch, f"hydra.run.dir={tmp_path / 'run'}",
+           f"data.cache_dir={tmp_path / 'cache'}", "data.max_files=20", "model.block_size=16",
+           "trainer.max_steps=20", "trainer.val_check_interval=20",
+           "trainer.limit_val_batches=1", "fused=false", "trainer=ddp",
+           "trainer.accelerator=cpu", "trainer.devices=2", "data.batch_size=2"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                       env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert r.returncode == 3, r.stderr[-3000:]
+    assert r.stderr.count("non-finite training loss at step 2") >= 1
 
 
 def _gpt2_summary(run_dir, tmp_path, *overrides):
