@@ -93,9 +93,10 @@ def layer_norm_gelu(
     return F.gelu(layer_norm(x, weight, bias, eps), approximate=approximate)
 
 
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
-                  ignore_index: int = -100) -> torch.Tensor:
-    """Mean cross-entropy of logits (..., V) upcast to at least fp32, against targets (...)."""
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
+                  inplace_backward: bool = False) -> torch.Tensor:
+    """Mean cross-entropy of logits (..., V) upcast to at least fp32, against targets (...).
+    inplace_backward is accepted for signature parity and changes nothing here."""
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
                            ignore_index=ignore_index)

@@ -130,7 +130,8 @@ class GPT(nn.Module):
         if self.config.kernels["cross_entropy"]:
             from fusedtrain import ops
 
-            return ops.cross_entropy(self(idx), targets)
+            # The logits are this function's own: backward may overwrite them.
+            return ops.cross_entropy(self(idx), targets, inplace_backward=True)
         return eager.cross_entropy(self(idx), targets)
 
     @classmethod

@@ -46,6 +46,18 @@ def test_ignored_rows_and_bad_targets():
     assert torch.isnan(ops.cross_entropy(logits, torch.tensor([1, 2, 10, 0])))  # not a stray read
 
 
+def test_inplace_backward_writes_the_gradient_over_the_logits():
+    logits = torch.randn(2, 9, 1500, dtype=F64)
+    t = _targets((2, 9), 1500, ignored=2)
+    ref_leaf = logits.clone().requires_grad_()
+    (ref,) = torch.autograd.grad(ops.cross_entropy(ref_leaf, t), ref_leaf)
+    leaf = logits.clone().requires_grad_()
+    scaled = leaf * 1.0  # logits no one reads after the loss
+    (g,) = torch.autograd.grad(ops.cross_entropy(scaled, t, inplace_backward=True), scaled)
+    assert g.data_ptr() == scaled.data_ptr()  # no second logits-sized buffer
+    torch.testing.assert_close(g, ref, rtol=0, atol=0)
+
+
 def test_compile_fullgraph_matches_eager():
     logits = torch.randn(2, 6, 50, requires_grad=True)
     t = _targets((2, 6), 50)

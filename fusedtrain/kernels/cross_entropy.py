@@ -82,11 +82,13 @@ def cross_entropy_fwd(logits: torch.Tensor, targets: torch.Tensor,
 
 
 def cross_entropy_bwd(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor,
-                      g: torch.Tensor, ignore_index: int) -> torch.Tensor:
+                      g: torch.Tensor, ignore_index: int, inplace: bool = False) -> torch.Tensor:
     """dlogits: (M, V) in the logits' dtype; g is a one-element tensor, the gradient of
-    the loss with respect to each (non-ignored) row's loss."""
+    the loss with respect to each (non-ignored) row's loss. inplace: written over the
+    logits (each program reads a chunk of its row before writing the same chunk)."""
     M, V = logits.shape
-    dlogits = torch.empty((M, V), device=logits.device, dtype=logits.dtype)
+    dlogits = logits if inplace else torch.empty((M, V), device=logits.device,
+                                                 dtype=logits.dtype)
     _ce_bwd_kernel[(M,)](logits, targets, lse, g, dlogits, V, logits.stride(0),
                          dlogits.stride(0), ignore_index, ACC=acc_dtype(logits),
                          BLOCK_V=BLOCK_V, num_warps=8)

@@ -8,7 +8,7 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 
-def _dispatcher_needed() -> bool:
+def dispatcher_needed() -> bool:
     """torch.compile is tracing, or a dispatch mode (FlopCounterMode, FakeTensorMode, ...)
     must see the op."""
     return torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None
@@ -24,7 +24,7 @@ def launcher(name: str) -> Callable[[Callable], Callable]:
         op = torch.library.custom_op(f"fusedtrain::{name}", mutates_args=())(fn)
 
         def call(*args):
-            return op(*args) if _dispatcher_needed() else fn(*args)
+            return op(*args) if dispatcher_needed() else fn(*args)
 
         call.register_fake = op.register_fake
         call.__name__ = call.__qualname__ = fn.__name__

@@ -6,7 +6,7 @@ import torch
 from torch.utils.flop_counter import register_flop_formula
 
 from fusedtrain.kernels import cross_entropy as K
-from fusedtrain.ops._registry import launcher
+from fusedtrain.ops._registry import dispatcher_needed, launcher
 from fusedtrain.ops._validate import check_tensor
 
 Tensor = torch.Tensor
@@ -46,25 +46,38 @@ class CrossEntropyFunction(torch.autograd.Function):
     log-sum-exp per row, never a softmax or an fp32 copy of the logits."""
 
     @staticmethod
-    def forward(ctx, logits: Tensor, targets: Tensor, ignore_index: int):
+    def forward(ctx, logits: Tensor, targets: Tensor, ignore_index: int, inplace: bool):
         losses, lse = _cross_entropy_fwd(logits, targets, ignore_index)
         count = (targets != ignore_index).sum()
         ctx.save_for_backward(logits, targets, lse, count)
-        ctx.ignore_index = ignore_index
+        ctx.ignore_index, ctx.inplace = ignore_index, inplace
         return losses.sum() / count
 
     @staticmethod
     def backward(ctx, dloss: Tensor):
         logits, targets, lse, count = ctx.saved_tensors
         g = (dloss / count).to(lse.dtype).reshape(1)  # stays on the device: no sync
-        return _cross_entropy_bwd(logits, targets, lse, g, ctx.ignore_index), None, None
+        if ctx.inplace and not dispatcher_needed():
+            # The launcher is declared non-mutating for torch.compile and dispatch modes,
+            # so the in-place form runs only when it is called directly.
+            dlogits = K.cross_entropy_bwd(logits, targets, lse, g, ctx.ignore_index,
+                                          inplace=True)
+        else:
+            dlogits = _cross_entropy_bwd(logits, targets, lse, g, ctx.ignore_index)
+        return dlogits, None, None, None
 
 
-def cross_entropy(logits: Tensor, targets: Tensor, ignore_index: int = -100) -> Tensor:
+def cross_entropy(logits: Tensor, targets: Tensor, ignore_index: int = -100,
+                  inplace_backward: bool = False) -> Tensor:
     """Mean cross-entropy of logits (..., V) against integer targets (...): the same
     value as F.cross_entropy on the logits upcast to fp32 (fp32 result; fp64 for fp64
     logits). Rows whose target is ignore_index are left out of the mean; a target
-    outside [0, V) gives NaN."""
+    outside [0, V) gives NaN.
+
+    inplace_backward: backward writes the gradient over the logits' memory, saving one
+    logits-sized buffer (1.6 GB for GPT-2 at 16 x 1024 tokens); the logits' values are
+    gone after backward, so use it only for logits nothing else reads (as GPT.loss does).
+    """
     check_tensor("logits", logits, min_ndim=1)
     if not isinstance(targets, torch.Tensor) or targets.is_floating_point() \
             or targets.is_complex() or targets.dtype == torch.bool:
@@ -79,4 +92,5 @@ def cross_entropy(logits: Tensor, targets: Tensor, ignore_index: int = -100) -> 
     rows = logits.reshape(-1, logits.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    return CrossEntropyFunction.apply(rows, targets.reshape(-1).long(), int(ignore_index))
+    return CrossEntropyFunction.apply(rows, targets.reshape(-1).long(), int(ignore_index),
+                                      bool(inplace_backward))
