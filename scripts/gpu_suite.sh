@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Every GPU check and figure of this repository, in order of importance, each step under
+# its own time limit so one slow step cannot take the rest with it.
+#   bash scripts/gpu_suite.sh OUT_DIR [quick]
+# quick: the correctness checks and the training table only.
+# Writes logs, JSON and PNG files under OUT_DIR; the last line sums up the steps.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${1:?usage: gpu_suite.sh OUT_DIR [quick]}
+mkdir -p "$out"
+failed=()
+
+step() {  # step NAME SECONDS COMMAND...
+  local name=$1 limit=$2
+  shift 2
+  echo "== $name (limit ${limit}s)"
+  if timeout "$limit" "$@" >"$out/$name.log" 2>&1; then
+    tail -n 3 "$out/$name.log"
+  else
+    echo "FAILED ($?): see $out/$name.log"; tail -n 5 "$out/$name.log"; failed+=("$name")
+  fi
+}
+
+nvidia-smi -L
+step gpu-tests 900 python -m pytest -q -m gpu -p no:cacheprovider
+step train 600 python scripts/bench.py train --ablation --out "$out"
+if [ "${2:-}" != quick ]; then
+  step train-graphs 400 python scripts/bench.py train --compile-mode reduce-overhead \
+    --variants compile-sdpa compile-fused --out "$out/graphs"
+  step kernels 900 python scripts/bench.py kernels --out "$out"
+  step gradcheck 400 python scripts/gradcheck.py model=gpt2 "gradcheck.parts=[model,report]" \
+    "hydra.run.dir=$out/gradcheck"
+  step parity 900 python scripts/bench.py parity --model gpt2 --steps 300 --batch 16 \
+    --seq 1024 --out "$out"
+  step profile 300 python scripts/bench.py profile --variant fused --host --out "$out"
+fi
+echo "gpu_suite: ${#failed[@]} failed${failed:+: ${failed[*]}}"
