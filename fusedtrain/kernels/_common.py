@@ -139,21 +139,24 @@ def matmul_acc(acc, a_ptr, b_ptr, a_rows, b_cols, rows_ok, cols_ok,
 
     B_GELU: B holds a pre-activation and gelu(B) is multiplied instead (recomputed in
     registers as each tile is loaded, so gelu(B) never exists in memory).
+
+    The two levels run as ONE loop over (outer, inner chunk) pairs: Triton software-
+    pipelines only a kernel's innermost loop, and with K_INNER = one head (D = 64) an inner
+    loop of a single chunk would leave every load exposed.
     """
     offs_k = tl.arange(0, BLOCK_K)
-    for o in range(0, K_OUTER):
-        a_base = a_ptr + tl.cast(o, tl.int64) * s_a_outer + a_rows[:, None]
-        b_base = b_ptr + tl.cast(o, tl.int64) * s_b_outer + b_cols[None, :]
-        for i0 in range(0, K_INNER, BLOCK_K):
-            k = i0 + offs_k
-            k_ok = k < K_INNER
-            a = tl.load(a_base + k[None, :] * s_a_inner, mask=rows_ok[:, None] & k_ok[None, :],
-                        other=0.0)
-            b = tl.load(b_base + k[:, None] * s_b_inner, mask=k_ok[:, None] & cols_ok[None, :],
-                        other=0.0)
-            if B_GELU:
-                b = gelu(b.to(acc.dtype), APPROX).to(a.dtype)
-            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    chunks = cdiv(K_INNER, BLOCK_K)
+    for it in range(0, K_OUTER * chunks):
+        o = tl.cast(it // chunks, tl.int64)
+        k = (it % chunks) * BLOCK_K + offs_k
+        k_ok = k < K_INNER
+        a = tl.load(a_ptr + o * s_a_outer + a_rows[:, None] + k[None, :] * s_a_inner,
+                    mask=rows_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptr + o * s_b_outer + k[:, None] * s_b_inner + b_cols[None, :],
+                    mask=k_ok[:, None] & cols_ok[None, :], other=0.0)
+        if B_GELU:
+            b = gelu(b.to(acc.dtype), APPROX).to(a.dtype)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
     return acc
 
 
