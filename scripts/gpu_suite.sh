@@ -27,6 +27,10 @@ step train 600 python scripts/bench.py train --ablation --out "$out"
 if [ "${2:-}" != quick ]; then
   step train-graphs 400 python scripts/bench.py train --compile-mode reduce-overhead \
     --variants compile-sdpa compile-fused --out "$out/graphs"
+  step scale-medium 600 python scripts/bench.py train --model gpt2-medium --batch 8 \
+    --variants eager-sdpa compile-sdpa fused --out "$out/gpt2-medium"
+  step scale-t4096 600 python scripts/bench.py train --seq 4096 --batch 4 \
+    --variants eager-sdpa compile-sdpa fused --out "$out/t4096"
   step kernels 900 python scripts/bench.py kernels --out "$out"
   step gradcheck 400 python scripts/gradcheck.py model=gpt2 "gradcheck.parts=[model,report]" \
     "hydra.run.dir=$out/gradcheck"
