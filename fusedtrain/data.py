@@ -297,7 +297,8 @@ class TokenDataModule(L.LightningDataModule):
         the samples of every step taken since."""
         sample, step = self.resumed_at
         now = self.trainer.global_step if self.trainer is not None else step
-        return sample + (now - step) * self.cfg.batch_size * self._ranks()[1]
+        # max: asked before the trainer has restored its step, this is the resume point
+        return sample + max(0, now - step) * self.cfg.batch_size * self._ranks()[1]
 
     def state_dict(self) -> dict:
         step = self.trainer.global_step if self.trainer is not None else 0
