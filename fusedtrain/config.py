@@ -42,6 +42,28 @@ def _build(cls, section: str, values: dict):
         raise ConfigError(str(e)) from e
 
 
+def _check_trainer(t: dict) -> None:
+    """The Trainer settings this project's configs use, before Lightning sees them."""
+    devices = t.get("devices", "auto")
+    if not (devices == "auto" or devices == -1 or (isinstance(devices, int) and devices > 0)
+            or (isinstance(devices, (list, str)) and len(devices) > 0)):
+        raise ConfigError(f"trainer.devices must be a positive count, -1, 'auto' or a list of "
+                          f"device ids, got {devices!r}")
+    for name in ("num_nodes", "log_every_n_steps"):
+        v = t.get(name, 1)
+        if not isinstance(v, int) or v <= 0:
+            raise ConfigError(f"trainer.{name} must be a positive integer, got {v!r}")
+    interval = t.get("val_check_interval")
+    if interval is not None and not (isinstance(interval, (int, float)) and interval > 0):
+        raise ConfigError(f"trainer.val_check_interval must be positive, got {interval!r}")
+    clip = t.get("gradient_clip_val")
+    if clip is not None and not (isinstance(clip, (int, float)) and clip >= 0):
+        raise ConfigError(f"trainer.gradient_clip_val must be >= 0 or null, got {clip!r}")
+    limit = t.get("limit_val_batches")
+    if limit is not None and not (isinstance(limit, (int, float)) and limit >= 0):
+        raise ConfigError(f"trainer.limit_val_batches must be >= 0, got {limit!r}")
+
+
 def build_run_config(cfg: DictConfig) -> RunConfig:
     """Validate everything before any work starts."""
     c = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
@@ -52,6 +74,7 @@ def build_run_config(cfg: DictConfig) -> RunConfig:
     max_steps = trainer.get("max_steps", -1)
     if not isinstance(max_steps, int) or max_steps <= 0:
         raise ConfigError(f"trainer.max_steps must be a positive integer, got {max_steps!r}")
+    _check_trainer(trainer)
     if trainer.get("strategy") == "fsdp" and (trainer.get("accelerator") == "cpu"
                                               or not torch.cuda.is_available()):
         raise ConfigError("trainer.strategy=fsdp needs CUDA GPUs (Lightning's FSDP is "

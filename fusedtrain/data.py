@@ -67,6 +67,22 @@ class DataConfig:
             raise ValueError("data.source=hub needs data.name=<dataset on the hub>")
         if self.max_files is not None and self.max_files <= 0:
             raise ValueError(f"data.max_files must be positive, got {self.max_files}")
+        if self.source == "text":
+            for f in self.files:
+                path = Path(f).expanduser()
+                if not path.is_file():
+                    raise ValueError(f"data.files: {str(path)!r} does not exist or is not a file")
+                if path.stat().st_size == 0:
+                    raise ValueError(f"data.files: {str(path)!r} is empty")
+        if self.tokenizer == "gpt2" and not (self.bpe_file
+                                             and Path(self.bpe_file).expanduser().is_file()):
+            raise ValueError(
+                f"data.tokenizer=gpt2 needs data.bpe_file pointing at a local gpt2.tiktoken "
+                f"ranks file (got {self.bpe_file!r}); or use data.tokenizer=byte")
+
+
+class DataError(RuntimeError):
+    """A corpus could not be read or fetched; the message names the setting."""
 
 
 # ---------------------------------------------------------------- tokenizers
@@ -93,12 +109,8 @@ class GPT2Tokenizer:
     vocab_size = 50257
     eot = 50256
 
-    def __init__(self, bpe_file: str | None):
-        if not bpe_file or not Path(bpe_file).expanduser().is_file():
-            raise ValueError(
-                f"data.tokenizer=gpt2 needs data.bpe_file pointing at a local gpt2.tiktoken "
-                f"ranks file (got {bpe_file!r}); or use data.tokenizer=byte"
-            )
+    def __init__(self, bpe_file: str):
+        """bpe_file: checked to exist by DataConfig."""
         try:
             import tiktoken
             from tiktoken.load import load_tiktoken_bpe
@@ -140,12 +152,7 @@ def corpus_files(cfg: DataConfig) -> list[Path]:
         if not files:
             raise ValueError(f"no standard-library sources found under {sys.prefix}")
     else:
-        files = [Path(f).expanduser() for f in cfg.files]
-        for f in files:
-            if not f.is_file():
-                raise ValueError(f"data.files: {str(f)!r} does not exist or is not a file")
-            if f.stat().st_size == 0:
-                raise ValueError(f"data.files: {str(f)!r} is empty")
+        files = [Path(f).expanduser() for f in cfg.files]  # checked by DataConfig
     return files[: cfg.max_files] if cfg.max_files else files
 
 
@@ -165,7 +172,11 @@ def _load_texts(cfg: DataConfig):
     import datasets
 
     if cfg.source == "hub":
-        ds = datasets.load_dataset(cfg.name, split=cfg.split)
+        try:
+            ds = datasets.load_dataset(cfg.name, split=cfg.split)
+        except (ConnectionError, FileNotFoundError, ValueError) as e:
+            raise DataError(f"data.name={cfg.name!r} (split {cfg.split!r}) could not be "
+                            f"loaded: {type(e).__name__}: {str(e)[:300]}") from e
         if cfg.text_column not in ds.column_names:
             raise ValueError(
                 f"data.text_column={cfg.text_column!r} not in {cfg.name!r}: {ds.column_names}"

@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from fusedtrain.checkpoint import CheckpointError, SafeCheckpointIO, load_checkpoint
 from fusedtrain.config import ConfigError, build_run_config
-from fusedtrain.data import TokenDataModule
+from fusedtrain.data import DataError, TokenDataModule
 from fusedtrain.model import GPTConfig
 from fusedtrain.module import GPTModule, NonFiniteLossError, SaveOnInterrupt, ThroughputMonitor
 
@@ -171,6 +171,9 @@ def main(cfg: DictConfig) -> None:
     except (CheckpointError, NonFiniteLossError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(3)
+    except DataError as e:
+        print(f"data error: {e}", file=sys.stderr)
+        sys.exit(4)
 
 
 if __name__ == "__main__":

@@ -44,6 +44,9 @@ def test_fused_training_end_to_end(tmp_path):
     ("optim.lr=0", "optim.lr"), ("model.n_head=5", "model.n_head"),
     ("data.batch_size=-2", "data.batch_size"),
     ("trainer=fsdp", "fsdp"),
+    ("trainer.devices=0", "trainer.devices"),
+    ("data=text", "data.files"),
+    ("data.tokenizer=gpt2", "data.bpe_file"),
 ])
 def test_config_errors_exit_nonzero_naming_the_setting(tmp_path, override, setting):
     r = _train(tmp_path, override, timeout=120)
