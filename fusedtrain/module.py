@@ -116,13 +116,14 @@ class GPTModule(L.LightningModule):
         """Norm clipping under FSDP through the root FSDP module, which reduces the norm
         over every rank's shard (Lightning's FSDP precision plugin refuses norm clipping,
         and a per-rank torch.nn.utils.clip_grad_norm_ would see only its own shard)."""
-        from torch.distributed.fsdp import FullyShardedDataParallel
+        if torch.distributed.is_available():
+            from torch.distributed.fsdp import FullyShardedDataParallel
 
-        root = self.trainer.strategy.model
-        if (isinstance(root, FullyShardedDataParallel) and gradient_clip_val
-                and gradient_clip_algorithm in (None, "norm")):
-            root.clip_grad_norm_(gradient_clip_val)
-            return
+            root = self.trainer.strategy.model
+            if (isinstance(root, FullyShardedDataParallel) and gradient_clip_val
+                    and gradient_clip_algorithm in (None, "norm")):
+                root.clip_grad_norm_(gradient_clip_val)
+                return
         self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def configure_optimizers(self):
