@@ -130,9 +130,9 @@ class GPTModule(L.LightningModule):
         o = self.optim_cfg
         # Decay the matrices (embeddings, projections), not biases or LayerNorm scales;
         # decided by name, since FSDP exposes every parameter as a flat 1-D shard.
-        named = list(self.model.named_parameters())
-        decay = [p for n, p in named if n.endswith("weight") and "ln_" not in n]
-        no_decay = [p for n, p in named if not (n.endswith("weight") and "ln_" not in n)]
+        decay, no_decay = [], []
+        for name, p in self.model.named_parameters():
+            (decay if name.endswith("weight") and "ln_" not in name else no_decay).append(p)
         opt = torch.optim.AdamW(
             [{"params": decay, "weight_decay": o.weight_decay},
              {"params": no_decay, "weight_decay": 0.0}],

@@ -205,7 +205,6 @@ def bench_cross_entropy(rows: list[dict]) -> None:
         with torch.no_grad():
             row["fwd"] = {k: bench(lambda f=f: f(logits, t)) for k, f in fns.items()}
         row["fwd_bwd"] = {k: bench(fwd_bwd(f, (logits, t))) for k, f in fns.items()}
-        torch.cuda.reset_peak_memory_stats()
         for k, f in fns.items():
             torch.cuda.synchronize()
             base = torch.cuda.memory_allocated()
@@ -514,6 +513,15 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def _run_shape_args(parser: argparse.ArgumentParser, steps: int) -> None:
+    """The model and step options that `train` and `profile` share."""
+    parser.add_argument("--model", default="gpt2")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--warmup", type=int, default=5)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -521,11 +529,7 @@ def main(argv=None) -> int:
     k.add_argument("--family", nargs="+", choices=list(FAMILIES), default=list(FAMILIES))
     k.add_argument("--out", default="results")
     t = sub.add_parser("train", help="training throughput, fused vs eager vs torch.compile")
-    t.add_argument("--model", default="gpt2")
-    t.add_argument("--batch", type=int, default=16)
-    t.add_argument("--seq", type=int, default=1024)
-    t.add_argument("--steps", type=int, default=20)
-    t.add_argument("--warmup", type=int, default=5)
+    _run_shape_args(t, steps=20)
     t.add_argument("--ablation", action="store_true", help="also fused minus one family")
     t.add_argument("--compile-mode", default="default",
                    choices=["default", "reduce-overhead", "max-autotune-no-cudagraphs"],
@@ -536,11 +540,7 @@ def main(argv=None) -> int:
     t.add_argument("--out", default="results")
     f = sub.add_parser("profile", help="torch.profiler summary of training steps")
     f.add_argument("--variant", default="fused")
-    f.add_argument("--model", default="gpt2")
-    f.add_argument("--batch", type=int, default=16)
-    f.add_argument("--seq", type=int, default=1024)
-    f.add_argument("--steps", type=int, default=5)
-    f.add_argument("--warmup", type=int, default=5)
+    _run_shape_args(f, steps=5)
     f.add_argument("--top", type=int, default=25)
     f.add_argument("--host", action="store_true", help="also cProfile the host side")
     f.add_argument("--out", default="results")

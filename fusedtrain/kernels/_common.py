@@ -165,6 +165,12 @@ def acc_dtype(t: torch.Tensor) -> tl.dtype:
     return tl.float64 if t.dtype == torch.float64 else tl.float32
 
 
+def stat_dtype(t: torch.Tensor) -> torch.dtype:
+    """Torch dtype of statistics and partial sums kept beside t (log-sum-exp, mean/rstd,
+    split-K and dW partials): fp64 for fp64 data, else fp32."""
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
 def dot_precision(t: torch.Tensor) -> str:
     """For a kernel's `PRECISION` constexpr. fp32 operands are multiplied in full
     precision, as eager fp32 matmul is by default, not in tf32: the fused op must

@@ -23,7 +23,15 @@ import torch
 import triton
 import triton.language as tl
 
-from fusedtrain.kernels._common import autotune, cdiv, device_fn, dot_precision, row_max, row_sum
+from fusedtrain.kernels._common import (
+    autotune,
+    cdiv,
+    device_fn,
+    dot_precision,
+    row_max,
+    row_sum,
+    stat_dtype,
+)
 
 LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 128
@@ -312,7 +320,7 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     B, H, T, D, block_d, acc, qk_scale = _common_args(q, softmax_scale)
     o = torch.empty((B, H, T, D), device=q.device, dtype=q.dtype)
     lse = torch.empty((B, H, T), device=q.device,
-                      dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
+                      dtype=stat_dtype(q))
     grid = lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * H)  # noqa: E731
     _attn_fwd_kernel[grid](
         q, k, v, o, lse, qk_scale, H, T, D, triton.next_power_of_2(T),

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from fusedtrain.kernels import INTERPRET
-from fusedtrain.kernels._common import acc_dtype, row_max, row_sum
+from fusedtrain.kernels._common import acc_dtype, row_max, row_sum, stat_dtype
 
 BLOCK_V = 1024 if INTERPRET else 4096
 
@@ -73,8 +73,7 @@ def cross_entropy_fwd(logits: torch.Tensor, targets: torch.Tensor,
     """logits: (M, V) with unit column stride, targets: (M,) int64 ->
     (loss per row, lse per row), both (M,) fp32 (fp64 for fp64 logits)."""
     M, V = logits.shape
-    stat = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    loss = torch.empty(M, device=logits.device, dtype=stat)
+    loss = torch.empty(M, device=logits.device, dtype=stat_dtype(logits))
     lse = torch.empty_like(loss)
     _ce_fwd_kernel[(M,)](logits, targets, loss, lse, V, logits.stride(0), ignore_index,
                          ACC=acc_dtype(logits), BLOCK_V=BLOCK_V, num_warps=8)

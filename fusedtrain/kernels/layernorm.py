@@ -16,7 +16,15 @@ import triton
 import triton.language as tl
 
 from fusedtrain.kernels import INTERPRET
-from fusedtrain.kernels._common import acc_dtype, gelu, gelu_grad, gelu_mode, row_sum, sm_count
+from fusedtrain.kernels._common import (
+    acc_dtype,
+    gelu,
+    gelu_grad,
+    gelu_mode,
+    row_sum,
+    sm_count,
+    stat_dtype,
+)
 
 NO_GELU = -1
 MAX_C = 65536
@@ -127,9 +135,8 @@ def layer_norm_fwd(x: torch.Tensor, residual: torch.Tensor | None, weight: torch
     C = x.shape[-1]
     x2 = _rows(x)
     M = x2.shape[0]
-    stat_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     y = torch.empty((M, C), device=x.device, dtype=out_dtype)
-    mean = torch.empty(M, device=x.device, dtype=stat_dtype)
+    mean = torch.empty(M, device=x.device, dtype=stat_dtype(x))
     rstd = torch.empty_like(mean)
     r2 = _rows(residual) if residual is not None else x2
     s = torch.empty((M, C) if residual is not None else (0, C), device=x.device,
@@ -169,7 +176,7 @@ def layer_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | Non
     dx = torch.empty((M, C), device=x.device, dtype=dx_dtype)
     block_m, block_c, num_warps = _tile(C)
     G = _num_programs(M, block_m, x.device)
-    part_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    part_dtype = stat_dtype(x)
     dw_part = torch.empty((G, C), device=x.device, dtype=part_dtype)
     db_part = torch.empty_like(dw_part)
     _ln_bwd_kernel[(G,)](

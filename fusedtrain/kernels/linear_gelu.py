@@ -31,6 +31,7 @@ from fusedtrain.kernels._common import (
     gemm_configs,
     gemm_tile,
     sm_count,
+    stat_dtype,
     tile_ptrs,
 )
 
@@ -160,7 +161,7 @@ def matmul_gelu_rhs(dy: torch.Tensor, h: torch.Tensor, approximate: str,
     splits = splits or k_splits(M, N, K, dy.device)
     k_split = triton.cdiv(triton.cdiv(K, splits), 64) * 64
     splits = triton.cdiv(K, k_split)
-    part_dtype = dy.dtype if splits == 1 else torch.promote_types(dy.dtype, torch.float32)
+    part_dtype = dy.dtype if splits == 1 else stat_dtype(dy)
     out = torch.empty((splits, M, N), device=dy.device, dtype=part_dtype)
     _matmul_gelu_rhs_kernel[lambda meta: (_gemm_grid(M, N)(meta)[0], splits)](
         dy, h, out, M, N, K, k_split,

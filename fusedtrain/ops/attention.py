@@ -6,6 +6,7 @@ import torch
 from torch.utils.flop_counter import register_flop_formula
 
 from fusedtrain.kernels import attention as K
+from fusedtrain.kernels._common import stat_dtype
 from fusedtrain.ops._registry import launcher
 from fusedtrain.ops._validate import autocast_cast, check_same, check_tensor
 
@@ -20,8 +21,7 @@ def _attention_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool,
 
 @_attention_fwd.register_fake
 def _(q, k, v, causal, softmax_scale):
-    stat = torch.float64 if q.dtype == torch.float64 else torch.float32
-    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=stat)
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=stat_dtype(q))
 
 
 @launcher("attention_bwd")

@@ -6,6 +6,7 @@ import torch
 from torch.utils.flop_counter import register_flop_formula
 
 from fusedtrain.kernels import cross_entropy as K
+from fusedtrain.kernels._common import stat_dtype
 from fusedtrain.ops._registry import dispatcher_needed, launcher
 from fusedtrain.ops._validate import check_tensor
 
@@ -20,7 +21,7 @@ def _cross_entropy_fwd(logits: Tensor, targets: Tensor,
 
 @_cross_entropy_fwd.register_fake
 def _(logits, targets, ignore_index):
-    stat = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    stat = stat_dtype(logits)
     M = logits.shape[0]
     return logits.new_empty(M, dtype=stat), logits.new_empty(M, dtype=stat)
 

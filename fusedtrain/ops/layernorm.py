@@ -12,6 +12,7 @@ import torch
 
 from fusedtrain import eager
 from fusedtrain.kernels import layernorm as K
+from fusedtrain.kernels._common import stat_dtype
 from fusedtrain.ops._registry import launcher
 from fusedtrain.ops._validate import (
     autocast_dtype,
@@ -35,7 +36,7 @@ def _layer_norm_fwd(x: Tensor, residual: Tensor | None, weight: Tensor | None,
 @_layer_norm_fwd.register_fake
 def _(x, residual, weight, bias, eps, approximate, out_dtype, stream_dtype):
     M = x.numel() // x.shape[-1]
-    stat = torch.float64 if x.dtype == torch.float64 else torch.float32
+    stat = stat_dtype(x)
     s_shape = x.shape if residual is not None else (0, x.shape[-1])
     return (x.new_empty(x.shape, dtype=out_dtype), x.new_empty(s_shape, dtype=stream_dtype),
             x.new_empty(M, dtype=stat), x.new_empty(M, dtype=stat))
