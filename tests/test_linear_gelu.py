@@ -90,6 +90,32 @@ def test_split_k_weight_gradient(splits, dtype):
                                atol=1e-2 if dtype != F64 else 1e-9)
 
 
+@pytest.mark.parametrize("strided", [False, True])
+def test_tma_and_pointer_gemms_agree_with_the_oracle(strided):
+    """The three MLP GEMMs through their TMA version (aligned operands; small tiles, so
+    each program walks several tiles, split-K slices end mid-tensor and every dimension
+    has a tail) and through the pointer version (a transposed, unaligned operand)."""
+    from fusedtrain.kernels import linear_gelu as K
+    from fusedtrain.kernels._tma import TmaConfig, tma_ok
+
+    small = TmaConfig(block_m=32, block_n=32, block_k=16, num_warps=4, num_stages=1)
+    M, C, Hd = 203, 72, 136
+    x = torch.randn(C, M, dtype=F64).t() if strided else torch.randn(M, C, dtype=F64)
+    w, b = torch.randn(Hd, C, dtype=F64) / 9, torch.randn(Hd, dtype=F64)
+    dy, w2 = torch.randn(M, 40, dtype=F64), torch.randn(40, Hd, dtype=F64) / 7
+    assert tma_ok(x) != strided
+
+    y, h = K.linear_gelu_fwd(x, w, b, "tanh", store_h=True, config=small)
+    h_ref = x @ w.t() + b
+    torch.testing.assert_close(h, h_ref)
+    torch.testing.assert_close(y, torch.nn.functional.gelu(h_ref, approximate="tanh"))
+    dh = K.matmul_dgelu(dy, w2, h, "none", config=small)
+    gelu_grad = torch.func.grad(lambda t: torch.nn.functional.gelu(t).sum())
+    torch.testing.assert_close(dh, (dy @ w2) * torch.vmap(gelu_grad)(h))
+    dw2 = K.matmul_gelu_rhs(x, h, "none", splits=3, config=small)
+    torch.testing.assert_close(dw2, x.t() @ torch.nn.functional.gelu(h))
+
+
 def test_fused_mlp_saves_only_x_and_h():
     M, C, Hd = 64, 16, 64
     x, w1, b1, w2, b2 = _mlp_inputs(M, C, Hd, dtype=torch.float32)

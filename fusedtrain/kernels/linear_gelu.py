@@ -8,8 +8,10 @@
                     loaded, so gelu(h) is never stored.
   gelu_bwd          dh = dy * gelu'(h), elementwise (standalone linear_gelu backward).
 
-Block sizes come from triton.autotune (Hopper-leaning tilings, keyed on M, N, K;
-choices cached on disk). All 2-D operands take arbitrary strides.
+Each GEMM has two versions: a persistent one loading through TMA descriptors (Hopper,
+16-bit data, TMA-aligned operands; tiles from kernels._tma.tma_config's measured table),
+and a pointer-based one for every other case (any strides, fp32/fp64; block sizes from
+triton.autotune over Hopper-leaning tilings, keyed on M, N, K, cached on disk).
 """
 
 from __future__ import annotations
@@ -24,15 +26,27 @@ from fusedtrain.kernels._common import (
     WIDE_GEMM,
     acc_dtype,
     autotune,
+    cdiv,
+    device_fn,
     dot_precision,
     gelu,
     gelu_grad,
     gelu_mode,
     gemm_configs,
     gemm_tile,
+    grouped_tile,
     sm_count,
     stat_dtype,
     tile_ptrs,
+)
+from fusedtrain.kernels._tma import (
+    TmaConfig,
+    column_halves,
+    descriptor,
+    persistent_grid,
+    tma_config,
+    tma_matmul,
+    tma_ok,
 )
 
 
@@ -106,68 +120,181 @@ def _gelu_bwd_kernel(dy_ptr, h_ptr, dh_ptr, n_elements, APPROX: tl.constexpr,
     tl.store(dh_ptr + offs, (dy * gelu_grad(h, APPROX)).to(dh_ptr.dtype.element_ty), mask=mask)
 
 
+# ---------------------------------------------------------------- TMA (Hopper) versions
+
+
+@device_fn
+def _bias_gelu_store(acc, off_m, off_n, b_ptr, y_desc, h_desc, N, HAS_BIAS: tl.constexpr,
+                     STORE_H: tl.constexpr, APPROX: tl.constexpr):
+    """Epilogue of one column half: + bias, store h (if asked), store gelu(h)."""
+    if HAS_BIAS:
+        offs_n = off_n + tl.arange(0, acc.shape[1])
+        acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(acc.dtype)[None, :]
+    if STORE_H:
+        h_desc.store([off_m, off_n], acc.to(h_desc.dtype))
+    y_desc.store([off_m, off_n], gelu(acc, APPROX).to(y_desc.dtype))
+
+
+@triton.jit
+def _linear_gelu_fwd_tma_kernel(
+    x_desc, w_desc, b_ptr, y_desc, h_desc, M, N, K,
+    HAS_BIAS: tl.constexpr, STORE_H: tl.constexpr, APPROX: tl.constexpr,
+    ACC: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    tiles = cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N)
+    for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=True):
+        pid_m, pid_n = grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        off_m, off_n = pid_m * BLOCK_M, pid_n * BLOCK_N
+        acc = tma_matmul(x_desc, w_desc, off_m, off_n, 0, K, ACC, PRECISION,
+                         BLOCK_M, BLOCK_N, BLOCK_K, B_TRANS=True)
+        left, right = column_halves(acc, BLOCK_M, BLOCK_N)
+        _bias_gelu_store(left, off_m, off_n, b_ptr, y_desc, h_desc, N,
+                         HAS_BIAS, STORE_H, APPROX)
+        _bias_gelu_store(right, off_m, off_n + BLOCK_N // 2, b_ptr, y_desc, h_desc, N,
+                         HAS_BIAS, STORE_H, APPROX)
+
+
+@device_fn
+def _dgelu_store(acc, off_m, off_n, h_desc, dh_desc, APPROX: tl.constexpr):
+    """Epilogue of one column half: dh = acc * gelu'(h), h read back through TMA."""
+    h = h_desc.load([off_m, off_n]).to(acc.dtype)
+    dh_desc.store([off_m, off_n], (acc * gelu_grad(h, APPROX)).to(dh_desc.dtype))
+
+
+@triton.jit
+def _matmul_dgelu_tma_kernel(
+    dy_desc, w_desc, h_desc, dh_desc, M, N, K,
+    APPROX: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    tiles = cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N)
+    for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=True):
+        pid_m, pid_n = grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        off_m, off_n = pid_m * BLOCK_M, pid_n * BLOCK_N
+        acc = tma_matmul(dy_desc, w_desc, off_m, off_n, 0, K, ACC, PRECISION,
+                         BLOCK_M, BLOCK_N, BLOCK_K)
+        left, right = column_halves(acc, BLOCK_M, BLOCK_N)
+        _dgelu_store(left, off_m, off_n, h_desc, dh_desc, APPROX)
+        _dgelu_store(right, off_m, off_n + BLOCK_N // 2, h_desc, dh_desc, APPROX)
+
+
+@triton.jit
+def _matmul_gelu_rhs_tma_kernel(
+    dy_desc, h_desc, c_desc, M, N, K, K_SPLIT, SPLITS,
+    APPROX: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    # Work item w = (slice s, tile): reduce k in [s * K_SPLIT, (s + 1) * K_SPLIT) into
+    # slice s of C (SPLITS, M, N); K_SPLIT is a multiple of BLOCK_K, so no tile of k
+    # straddles two slices.
+    tiles = cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N)
+    for w in tl.range(tl.program_id(0), tiles * SPLITS, tl.num_programs(0), flatten=True):
+        s = w // tiles
+        pid_m, pid_n = grouped_tile(w % tiles, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        off_m, off_n = pid_m * BLOCK_M, pid_n * BLOCK_N
+        k0 = s * K_SPLIT
+        acc = tma_matmul(dy_desc, h_desc, off_m, off_n, k0, tl.minimum(K - k0, K_SPLIT),
+                         ACC, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+                         A_TRANS=True, B_GELU=True, APPROX=APPROX)
+        left, right = column_halves(acc, BLOCK_M, BLOCK_N)
+        c_desc.store([s, off_m, off_n], left.to(c_desc.dtype)[None, :, :])
+        c_desc.store([s, off_m, off_n + BLOCK_N // 2], right.to(c_desc.dtype)[None, :, :])
+
+
 def _gemm_grid(M: int, N: int):
     return lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
 
 
 def linear_gelu_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                    approximate: str, store_h: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """x: (M, K), weight: (N, K), bias: (N,) -> (y, h), both (M, N); h is None unless store_h."""
+                    approximate: str, store_h: bool,
+                    config: TmaConfig | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x: (M, K), weight: (N, K), bias: (N,) -> (y, h), both (M, N); h is None unless store_h.
+    `config` overrides the TMA tile table (for tuning)."""
     M, K = x.shape
     N = weight.shape[0]
     y = torch.empty((M, N), device=x.device, dtype=x.dtype)
     h = torch.empty_like(y) if store_h else None
     h_arg = h if store_h else y  # never written when STORE_H is off
+    b_arg = bias if bias is not None else x
+    flags = dict(HAS_BIAS=bias is not None, STORE_H=store_h, APPROX=gelu_mode(approximate, x),
+                 ACC=acc_dtype(x), PRECISION=dot_precision(x))
+    if tma_ok(x, weight, y):
+        cfg = config or tma_config(N)
+        bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+        tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
+        _linear_gelu_fwd_tma_kernel[persistent_grid(tiles, x.device)](
+            descriptor(x, [bm, bk]), descriptor(weight, [bn, bk]), b_arg,
+            descriptor(y, [bm, bn // 2]), descriptor(h_arg, [bm, bn // 2]), M, N, K,
+            **flags, **cfg.meta())
+        return y, h
     _linear_gelu_fwd_kernel[_gemm_grid(M, N)](
-        x, weight, bias if bias is not None else x, y, h_arg, M, N, K,
+        x, weight, b_arg, y, h_arg, M, N, K,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
-        y.stride(0), y.stride(1), h_arg.stride(0), h_arg.stride(1),
-        HAS_BIAS=bias is not None, STORE_H=store_h, APPROX=gelu_mode(approximate, x),
-        ACC=acc_dtype(x), PRECISION=dot_precision(x),
-    )
+        y.stride(0), y.stride(1), h_arg.stride(0), h_arg.stride(1), **flags)
     return y, h
 
 
-def matmul_dgelu(dy: torch.Tensor, w2: torch.Tensor, h: torch.Tensor,
-                 approximate: str) -> torch.Tensor:
+def matmul_dgelu(dy: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, approximate: str,
+                 config: TmaConfig | None = None) -> torch.Tensor:
     """dy: (M, N2), w2: (N2, N), h: (M, N) -> dh = (dy @ w2) * gelu'(h): (M, N)."""
     M, K = dy.shape
     N = w2.shape[1]
     dh = torch.empty((M, N), device=dy.device, dtype=dy.dtype)
+    flags = dict(APPROX=gelu_mode(approximate, dy), ACC=acc_dtype(dy),
+                 PRECISION=dot_precision(dy))
+    if tma_ok(dy, w2, h):
+        cfg = config or tma_config(N)
+        bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+        tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
+        _matmul_dgelu_tma_kernel[persistent_grid(tiles, dy.device)](
+            descriptor(dy, [bm, bk]), descriptor(w2, [bk, bn]), descriptor(h, [bm, bn // 2]),
+            descriptor(dh, [bm, bn // 2]), M, N, K, **flags, **cfg.meta())
+        return dh
     _matmul_dgelu_kernel[_gemm_grid(M, N)](
         dy, w2, h, dh, M, N, K,
         dy.stride(0), dy.stride(1), w2.stride(0), w2.stride(1),
-        h.stride(0), h.stride(1), dh.stride(0), dh.stride(1),
-        APPROX=gelu_mode(approximate, dy), ACC=acc_dtype(dy), PRECISION=dot_precision(dy),
-    )
+        h.stride(0), h.stride(1), dh.stride(0), dh.stride(1), **flags)
     return dh
 
 
-def k_splits(M: int, N: int, K: int, device: torch.device) -> int:
-    """How many slices to split a GEMM's reduction over: enough (128 x 128) output tiles
-    times slices for about four programs per SM, each slice at least 1024 long."""
+def k_splits(tiles: int, K: int, device: torch.device) -> int:
+    """How many slices to split a GEMM's reduction over, for `tiles` output tiles: the count
+    (at most 8, each slice at least 1024 long) whose tiles x slices work items spread most
+    evenly over one program per SM, i.e. with the smallest ceil(tiles * s / SMs) / s."""
     if INTERPRET:
         return 1
-    tiles = triton.cdiv(M, 128) * triton.cdiv(N, 128)
-    return max(1, min(4 * sm_count(device) // tiles, K // 1024, 8))
+    sms = sm_count(device)
+    return min(range(1, max(1, min(8, K // 1024)) + 1),
+               key=lambda s: (triton.cdiv(tiles * s, sms) / s, s))
 
 
 def matmul_gelu_rhs(dy: torch.Tensor, h: torch.Tensor, approximate: str,
-                    splits: int | None = None) -> torch.Tensor:
+                    splits: int | None = None, config: TmaConfig | None = None) -> torch.Tensor:
     """dy: (K, M), h: (K, N) -> dy.T @ gelu(h): (M, N), reduced over `splits` slices of K
     (default: k_splits) with fp32 partial sums."""
     K, M = dy.shape
     N = h.shape[1]
-    splits = splits or k_splits(M, N, K, dy.device)
-    k_split = triton.cdiv(triton.cdiv(K, splits), 64) * 64
+    use_tma = tma_ok(dy, h)
+    cfg = config or tma_config(N)
+    tiles = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n) if use_tma
+             else triton.cdiv(M, 128) * triton.cdiv(N, 128))
+    splits = splits or k_splits(tiles, K, dy.device)
+    k_split = triton.cdiv(triton.cdiv(K, splits), 128) * 128  # a multiple of any BLOCK_K
     splits = triton.cdiv(K, k_split)
     part_dtype = dy.dtype if splits == 1 else stat_dtype(dy)
     out = torch.empty((splits, M, N), device=dy.device, dtype=part_dtype)
-    _matmul_gelu_rhs_kernel[lambda meta: (_gemm_grid(M, N)(meta)[0], splits)](
-        dy, h, out, M, N, K, k_split,
-        dy.stride(1), dy.stride(0), h.stride(0), h.stride(1), *out.stride(),
-        APPROX=gelu_mode(approximate, dy), ACC=acc_dtype(dy), PRECISION=dot_precision(dy),
-    )
+    flags = dict(APPROX=gelu_mode(approximate, dy), ACC=acc_dtype(dy),
+                 PRECISION=dot_precision(dy))
+    if use_tma and tma_ok(out):
+        bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+        _matmul_gelu_rhs_tma_kernel[persistent_grid(tiles * splits, dy.device)](
+            descriptor(dy, [bk, bm]), descriptor(h, [bk, bn]), descriptor(out, [1, bm, bn // 2]),
+            M, N, K, k_split, splits, **flags, **cfg.meta())
+    else:
+        _matmul_gelu_rhs_kernel[lambda meta: (_gemm_grid(M, N)(meta)[0], splits)](
+            dy, h, out, M, N, K, k_split,
+            dy.stride(1), dy.stride(0), h.stride(0), h.stride(1), *out.stride(), **flags)
     return out[0] if splits == 1 else out.sum(0).to(dy.dtype)
 
 

@@ -1,0 +1,112 @@
+"""Persistent GEMMs that load through TMA tensor descriptors (Hopper's bulk-copy engine).
+
+A kernel built on these helpers launches one program per SM, walks its share of the
+output tiles in one flattened loop (so the compiler pipelines the next tile's loads
+under this tile's epilogue), reads A and B tiles through host-made descriptors (rows and
+columns past the tensor's end read as zero, stores past it are dropped: no masks), and
+runs its epilogue on the two column halves of the accumulator in turn, which halves the
+registers the epilogue's fp32 temporaries need.
+
+Block sizes come from a small measured table (`tma_config`), not the autotuner: the host
+must build each descriptor with the block shape of the tile it will carry, before the
+launch. Kernels fall back to the pointer-based GEMMs (any strides, fp32/fp64 on the GPU)
+where `tma_ok` says the operands cannot go through TMA.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from fusedtrain.kernels import INTERPRET
+from fusedtrain.kernels._common import device_fn, gelu, sm_count
+
+
+@dataclass(frozen=True)
+class TmaConfig:
+    """Tile shape and launch settings of one persistent TMA GEMM."""
+
+    block_m: int = 128
+    block_n: int = 256
+    block_k: int = 64
+    num_warps: int = 8
+    num_stages: int = 3
+    group_m: int = 8
+
+    def meta(self) -> dict:
+        return {"BLOCK_M": self.block_m, "BLOCK_N": self.block_n, "BLOCK_K": self.block_k,
+                "GROUP_M": self.group_m, "num_warps": self.num_warps,
+                "num_stages": self.num_stages}
+
+
+# The interpreter runs few, large programs fastest; tile shape does not matter to it.
+_INTERPRET_CONFIG = TmaConfig(128, 128, 64, 4, 1)
+
+
+def tma_config(N: int) -> TmaConfig:
+    """Tiles for an (M x N) output on an H200, from scripts/tune_tma.py's sweep (see
+    docs/perf-notes.md): 128 x 256 x 64 tiles, 8 warps, 3 stages, and 128-wide tiles
+    where N is too narrow for 256."""
+    if INTERPRET:
+        return _INTERPRET_CONFIG
+    return TmaConfig(block_n=256 if N >= 256 else 128)
+
+
+def _hopper(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def tma_ok(*tensors: torch.Tensor) -> bool:
+    """Whether every operand can be read through a TMA descriptor: 16-bit data on a Hopper
+    (or newer) GPU, or any dtype under the interpreter; a 16-byte aligned base, unit stride
+    in the last dimension and 16-byte multiples for the other strides."""
+    for t in tensors:
+        if not INTERPRET and (t.element_size() != 2 or not _hopper(t.device)):
+            return False
+        size = t.element_size()
+        if (t.stride(-1) != 1 or t.data_ptr() % 16
+                or any(s * size % 16 for s in t.stride()[:-1])):
+            return False
+    return True
+
+
+def descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
+    """A TMA descriptor over all of t, carrying tiles of shape `block`."""
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block)
+
+
+def persistent_grid(work_items: int, device: torch.device) -> tuple[int]:
+    """One program per SM (fewer if there is less work); the interpreter runs one."""
+    return (1,) if INTERPRET else (min(work_items, sm_count(device)),)
+
+
+@device_fn
+def tma_matmul(a_desc, b_desc, off_m, off_n, k_start, k_len,
+               ACC: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               A_TRANS: tl.constexpr = False, B_TRANS: tl.constexpr = False,
+               B_GELU: tl.constexpr = False, APPROX: tl.constexpr = 0):
+    """The (BLOCK_M, BLOCK_N) tile at (off_m, off_n) of A @ B, reduced over
+    k in [k_start, k_start + k_len), as an fp32 (fp64) accumulator.
+
+    A_TRANS: a_desc is over A.T, stored (K, M) (e.g. dy read as dy.T); B_TRANS: b_desc is
+    over B.T, stored (N, K) (a weight W for x @ W.T). B_GELU: multiply gelu(B), recomputed
+    in registers as each tile arrives, so gelu(B) never exists in memory.
+    """
+    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, ACC)
+    for k in range(k_start, k_start + k_len, BLOCK_K):
+        a = tl.trans(a_desc.load([k, off_m])) if A_TRANS else a_desc.load([off_m, k])
+        b = tl.trans(b_desc.load([off_n, k])) if B_TRANS else b_desc.load([k, off_n])
+        if B_GELU:
+            b = gelu(b.to(ACC), APPROX).to(a.dtype)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    return acc
+
+
+@device_fn
+def column_halves(acc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """acc[:, :BLOCK_N // 2], acc[:, BLOCK_N // 2:] of a (BLOCK_M, BLOCK_N) tile."""
+    return tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
