@@ -58,10 +58,13 @@ def cases(M: int, K_: int, N: int) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--kernels", nargs="+", help="only these kernels")
     args = parser.parse_args(argv)
     results = []
     for shape in SHAPES:
         for name, (run, ref, cublas) in cases(*shape).items():
+            if args.kernels and name not in args.kernels:
+                continue
             expect = ref().float()
             base = triton.testing.do_bench(cublas)
             row = {"kernel": name, "shape": shape, "cublas_ms": base, "configs": {}}

@@ -88,20 +88,22 @@ def tma_matmul(a_desc, b_desc, off_m, off_n, k_start, k_len,
                ACC: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                A_TRANS: tl.constexpr = False, B_TRANS: tl.constexpr = False,
-               B_GELU: tl.constexpr = False, APPROX: tl.constexpr = 0):
+               A_GELU: tl.constexpr = False, APPROX: tl.constexpr = 0):
     """The (BLOCK_M, BLOCK_N) tile at (off_m, off_n) of A @ B, reduced over
     k in [k_start, k_start + k_len), as an fp32 (fp64) accumulator.
 
     A_TRANS: a_desc is over A.T, stored (K, M) (e.g. dy read as dy.T); B_TRANS: b_desc is
-    over B.T, stored (N, K) (a weight W for x @ W.T). B_GELU: multiply gelu(B), recomputed
-    in registers as each tile arrives, so gelu(B) never exists in memory.
+    over B.T, stored (N, K) (a weight W for x @ W.T). A_GELU: multiply gelu(A), recomputed
+    in registers as each tile arrives, so gelu(A) never exists in memory. (On A, not B:
+    Hopper's wgmma takes its A operand from registers, B only from shared memory, which
+    a recomputed B would have to be written back to.)
     """
     acc = tl.full((BLOCK_M, BLOCK_N), 0.0, ACC)
     for k in range(k_start, k_start + k_len, BLOCK_K):
         a = tl.trans(a_desc.load([k, off_m])) if A_TRANS else a_desc.load([off_m, k])
         b = tl.trans(b_desc.load([off_n, k])) if B_TRANS else b_desc.load([k, off_n])
-        if B_GELU:
-            b = gelu(b.to(ACC), APPROX).to(a.dtype)
+        if A_GELU:
+            a = gelu(a.to(ACC), APPROX).to(b.dtype)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
     return acc
 

@@ -181,25 +181,27 @@ def _matmul_dgelu_tma_kernel(
 
 @triton.jit
 def _matmul_gelu_rhs_tma_kernel(
-    dy_desc, h_desc, c_desc, M, N, K, K_SPLIT, SPLITS,
+    h_desc, dy_desc, c_desc, M, N, K, K_SPLIT, SPLITS,
     APPROX: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
+    # Computes C.T = gelu(h).T @ dy, whose recomputed operand is A (see tma_matmul), one
+    # (BLOCK_M features of h) x (BLOCK_N features of dy) tile at a time, stored transposed.
     # Work item w = (slice s, tile): reduce k in [s * K_SPLIT, (s + 1) * K_SPLIT) into
     # slice s of C (SPLITS, M, N); K_SPLIT is a multiple of BLOCK_K, so no tile of k
     # straddles two slices.
-    tiles = cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N)
+    tiles = cdiv(N, BLOCK_M) * cdiv(M, BLOCK_N)
     for w in tl.range(tl.program_id(0), tiles * SPLITS, tl.num_programs(0), flatten=True):
         s = w // tiles
-        pid_m, pid_n = grouped_tile(w % tiles, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-        off_m, off_n = pid_m * BLOCK_M, pid_n * BLOCK_N
+        pid_n, pid_m = grouped_tile(w % tiles, N, M, BLOCK_M, BLOCK_N, GROUP_M)
+        off_n, off_m = pid_n * BLOCK_M, pid_m * BLOCK_N
         k0 = s * K_SPLIT
-        acc = tma_matmul(dy_desc, h_desc, off_m, off_n, k0, tl.minimum(K - k0, K_SPLIT),
+        acc = tma_matmul(h_desc, dy_desc, off_n, off_m, k0, tl.minimum(K - k0, K_SPLIT),
                          ACC, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
-                         A_TRANS=True, B_GELU=True, APPROX=APPROX)
-        left, right = column_halves(acc, BLOCK_M, BLOCK_N)
-        c_desc.store([s, off_m, off_n], left.to(c_desc.dtype)[None, :, :])
-        c_desc.store([s, off_m, off_n + BLOCK_N // 2], right.to(c_desc.dtype)[None, :, :])
+                         A_TRANS=True, A_GELU=True, APPROX=APPROX)
+        top, bottom = column_halves(tl.trans(acc), BLOCK_N, BLOCK_M)
+        c_desc.store([s, off_m, off_n], top.to(c_desc.dtype)[None, :, :])
+        c_desc.store([s, off_m, off_n + BLOCK_M // 2], bottom.to(c_desc.dtype)[None, :, :])
 
 
 def _gemm_grid(M: int, N: int):
@@ -276,8 +278,8 @@ def matmul_gelu_rhs(dy: torch.Tensor, h: torch.Tensor, approximate: str,
     K, M = dy.shape
     N = h.shape[1]
     use_tma = tma_ok(dy, h)
-    cfg = config or tma_config(N)
-    tiles = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n) if use_tma
+    cfg = config or tma_config(M)
+    tiles = (triton.cdiv(N, cfg.block_m) * triton.cdiv(M, cfg.block_n) if use_tma
              else triton.cdiv(M, 128) * triton.cdiv(N, 128))
     splits = splits or k_splits(tiles, K, dy.device)
     k_split = triton.cdiv(triton.cdiv(K, splits), 128) * 128  # a multiple of any BLOCK_K
@@ -289,7 +291,7 @@ def matmul_gelu_rhs(dy: torch.Tensor, h: torch.Tensor, approximate: str,
     if use_tma and tma_ok(out):
         bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
         _matmul_gelu_rhs_tma_kernel[persistent_grid(tiles * splits, dy.device)](
-            descriptor(dy, [bk, bm]), descriptor(h, [bk, bn]), descriptor(out, [1, bm, bn // 2]),
+            descriptor(h, [bk, bm]), descriptor(dy, [bk, bn]), descriptor(out, [1, bn, bm // 2]),
             M, N, K, k_split, splits, **flags, **cfg.meta())
     else:
         _matmul_gelu_rhs_kernel[lambda meta: (_gemm_grid(M, N)(meta)[0], splits)](
