@@ -59,6 +59,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--kernels", nargs="+", help="only these kernels")
+    parser.add_argument("--quick", action="store_true", help="only the first four tilings")
     args = parser.parse_args(argv)
     results = []
     for shape in SHAPES:
@@ -68,7 +69,7 @@ def main(argv=None) -> int:
             expect = ref().float()
             base = triton.testing.do_bench(cublas)
             row = {"kernel": name, "shape": shape, "cublas_ms": base, "configs": {}}
-            for cfg in CANDIDATES:
+            for cfg in CANDIDATES[:4] if args.quick else CANDIDATES:
                 key = "x".join(map(str, (cfg.block_m, cfg.block_n, cfg.block_k))) + \
                     f"-w{cfg.num_warps}-s{cfg.num_stages}"
                 try:

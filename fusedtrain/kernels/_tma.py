@@ -2,15 +2,18 @@
 
 A kernel built on these helpers launches one program per SM, walks its share of the
 output tiles in one flattened loop (so the compiler pipelines the next tile's loads
-under this tile's epilogue), reads A and B tiles through host-made descriptors (rows and
+under this tile's epilogue), reads A and B tiles through TMA descriptors (rows and
 columns past the tensor's end read as zero, stores past it are dropped: no masks), and
 runs its epilogue on the two column halves of the accumulator in turn, which halves the
 registers the epilogue's fp32 temporaries need.
 
-Block sizes come from a small measured table (`tma_config`), not the autotuner: the host
-must build each descriptor with the block shape of the tile it will carry, before the
-launch. Kernels fall back to the pointer-based GEMMs (any strides, fp32/fp64 on the GPU)
-where `tma_ok` says the operands cannot go through TMA.
+Descriptors are made on the device (`matrix_desc`), once per program, from a pointer and
+strides: host-made TensorDescriptor arguments cost about 2 ms of host time per launch
+in triton 3.6's launcher (measured: the fused training step became host-bound on them).
+Device-made ones live in a small global scratch buffer that `launch` allocates through
+triton's allocator hook. Block sizes come from a small measured table (`tma_config`).
+Kernels fall back to the pointer-based GEMMs (any strides, fp32/fp64 on the GPU) where
+`tma_ok` says the operands cannot go through TMA.
 """
 
 from __future__ import annotations
@@ -18,8 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fusedtrain.kernels import INTERPRET
 from fusedtrain.kernels._common import device_fn, gelu, sm_count
@@ -59,28 +62,42 @@ def _hopper(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def tma_ok(*tensors: torch.Tensor) -> bool:
-    """Whether every operand can be read through a TMA descriptor: 16-bit data on a Hopper
-    (or newer) GPU, or any dtype under the interpreter; a 16-byte aligned base, unit stride
-    in the last dimension and 16-byte multiples for the other strides."""
-    for t in tensors:
-        if not INTERPRET and (t.element_size() != 2 or not _hopper(t.device)):
-            return False
-        size = t.element_size()
-        if (t.stride(-1) != 1 or t.data_ptr() % 16
-                or any(s * size % 16 for s in t.stride()[:-1])):
-            return False
-    return True
+def tma_aligned(t: torch.Tensor) -> bool:
+    """A 16-byte aligned base, unit stride in the last dimension and 16-byte multiples for
+    the other strides: what a TMA descriptor needs of its tensor."""
+    size = t.element_size()
+    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+            and all(s * size % 16 == 0 for s in t.stride()[:-1]))
 
 
-def descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
-    """A TMA descriptor over all of t, carrying tiles of shape `block`."""
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), block)
+def tma_ok(*operands: torch.Tensor) -> bool:
+    """Whether a GEMM's operands go through TMA: 16-bit data on a Hopper (or newer) GPU, or
+    any dtype under the interpreter, each operand tma_aligned."""
+    return all((INTERPRET or (t.element_size() == 2 and _hopper(t.device))) and tma_aligned(t)
+               for t in operands)
 
 
-def persistent_grid(work_items: int, device: torch.device) -> tuple[int]:
-    """One program per SM (fewer if there is less work); the interpreter runs one."""
-    return (1,) if INTERPRET else (min(work_items, sm_count(device)),)
+def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    return torch.empty(size, device="cuda", dtype=torch.int8)
+
+
+def launch(kernel, work_items: int, device: torch.device, *args, config: TmaConfig,
+           **constexprs) -> None:
+    """Launch a persistent TMA kernel: one program per SM (fewer if there is less work;
+    the interpreter runs one), with config's tile shape and warps."""
+    # Set at every launch: triton keeps the allocator in a context variable, and autograd
+    # runs backward kernels on its own threads, which start with none.
+    triton.set_allocator(_scratch)
+    programs = 1 if INTERPRET else min(work_items, sm_count(device))
+    kernel[(programs,)](*args, **constexprs, **config.meta())
+
+
+@device_fn
+def matrix_desc(ptr, rows, cols, row_stride, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """TMA descriptor over the (rows, cols) matrix at ptr (unit column stride), carrying
+    (BLOCK_R, BLOCK_C) tiles."""
+    return tl.make_tensor_descriptor(ptr, shape=[rows, cols], strides=[row_stride, 1],
+                                     block_shape=[BLOCK_R, BLOCK_C])
 
 
 @device_fn

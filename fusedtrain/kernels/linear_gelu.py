@@ -42,8 +42,9 @@ from fusedtrain.kernels._common import (
 from fusedtrain.kernels._tma import (
     TmaConfig,
     column_halves,
-    descriptor,
-    persistent_grid,
+    launch,
+    matrix_desc,
+    tma_aligned,
     tma_config,
     tma_matmul,
     tma_ok,
@@ -137,11 +138,15 @@ def _bias_gelu_store(acc, off_m, off_n, b_ptr, y_desc, h_desc, N, HAS_BIAS: tl.c
 
 @triton.jit
 def _linear_gelu_fwd_tma_kernel(
-    x_desc, w_desc, b_ptr, y_desc, h_desc, M, N, K,
+    x_ptr, w_ptr, b_ptr, y_ptr, h_ptr, M, N, K, s_xm, s_wn, s_ym, s_hm,
     HAS_BIAS: tl.constexpr, STORE_H: tl.constexpr, APPROX: tl.constexpr,
     ACC: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
+    x_desc = matrix_desc(x_ptr, M, K, s_xm, BLOCK_M, BLOCK_K)
+    w_desc = matrix_desc(w_ptr, N, K, s_wn, BLOCK_N, BLOCK_K)
+    y_desc = matrix_desc(y_ptr, M, N, s_ym, BLOCK_M, BLOCK_N // 2)
+    h_desc = matrix_desc(h_ptr, M, N, s_hm, BLOCK_M, BLOCK_N // 2)
     tiles = cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N)
     for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=True):
         pid_m, pid_n = grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -164,10 +169,14 @@ def _dgelu_store(acc, off_m, off_n, h_desc, dh_desc, APPROX: tl.constexpr):
 
 @triton.jit
 def _matmul_dgelu_tma_kernel(
-    dy_desc, w_desc, h_desc, dh_desc, M, N, K,
+    dy_ptr, w_ptr, h_ptr, dh_ptr, M, N, K, s_dym, s_wk, s_hm, s_dhm,
     APPROX: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
+    dy_desc = matrix_desc(dy_ptr, M, K, s_dym, BLOCK_M, BLOCK_K)
+    w_desc = matrix_desc(w_ptr, K, N, s_wk, BLOCK_K, BLOCK_N)
+    h_desc = matrix_desc(h_ptr, M, N, s_hm, BLOCK_M, BLOCK_N // 2)
+    dh_desc = matrix_desc(dh_ptr, M, N, s_dhm, BLOCK_M, BLOCK_N // 2)
     tiles = cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N)
     for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=True):
         pid_m, pid_n = grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -181,7 +190,7 @@ def _matmul_dgelu_tma_kernel(
 
 @triton.jit
 def _matmul_gelu_rhs_tma_kernel(
-    h_desc, dy_desc, c_desc, M, N, K, K_SPLIT, SPLITS,
+    h_ptr, dy_ptr, c_ptr, M, N, K, K_SPLIT, SPLITS, s_hk, s_dyk, s_cs, s_cm,
     APPROX: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
@@ -190,6 +199,10 @@ def _matmul_gelu_rhs_tma_kernel(
     # Work item w = (slice s, tile): reduce k in [s * K_SPLIT, (s + 1) * K_SPLIT) into
     # slice s of C (SPLITS, M, N); K_SPLIT is a multiple of BLOCK_K, so no tile of k
     # straddles two slices.
+    h_desc = matrix_desc(h_ptr, K, N, s_hk, BLOCK_K, BLOCK_M)
+    dy_desc = matrix_desc(dy_ptr, K, M, s_dyk, BLOCK_K, BLOCK_N)
+    c_desc = tl.make_tensor_descriptor(c_ptr, shape=[SPLITS, M, N], strides=[s_cs, s_cm, 1],
+                                       block_shape=[1, BLOCK_N, BLOCK_M // 2])
     tiles = cdiv(N, BLOCK_M) * cdiv(M, BLOCK_N)
     for w in tl.range(tl.program_id(0), tiles * SPLITS, tl.num_programs(0), flatten=True):
         s = w // tiles
@@ -223,12 +236,10 @@ def linear_gelu_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
                  ACC=acc_dtype(x), PRECISION=dot_precision(x))
     if tma_ok(x, weight, y):
         cfg = config or tma_config(N)
-        bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
-        tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
-        _linear_gelu_fwd_tma_kernel[persistent_grid(tiles, x.device)](
-            descriptor(x, [bm, bk]), descriptor(weight, [bn, bk]), b_arg,
-            descriptor(y, [bm, bn // 2]), descriptor(h_arg, [bm, bn // 2]), M, N, K,
-            **flags, **cfg.meta())
+        tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
+        launch(_linear_gelu_fwd_tma_kernel, tiles, x.device,
+               x, weight, b_arg, y, h_arg, M, N, K,
+               x.stride(0), weight.stride(0), y.stride(0), h_arg.stride(0), config=cfg, **flags)
         return y, h
     _linear_gelu_fwd_kernel[_gemm_grid(M, N)](
         x, weight, b_arg, y, h_arg, M, N, K,
@@ -247,11 +258,9 @@ def matmul_dgelu(dy: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, approximat
                  PRECISION=dot_precision(dy))
     if tma_ok(dy, w2, h):
         cfg = config or tma_config(N)
-        bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
-        tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
-        _matmul_dgelu_tma_kernel[persistent_grid(tiles, dy.device)](
-            descriptor(dy, [bm, bk]), descriptor(w2, [bk, bn]), descriptor(h, [bm, bn // 2]),
-            descriptor(dh, [bm, bn // 2]), M, N, K, **flags, **cfg.meta())
+        tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
+        launch(_matmul_dgelu_tma_kernel, tiles, dy.device, dy, w2, h, dh, M, N, K,
+               dy.stride(0), w2.stride(0), h.stride(0), dh.stride(0), config=cfg, **flags)
         return dh
     _matmul_dgelu_kernel[_gemm_grid(M, N)](
         dy, w2, h, dh, M, N, K,
@@ -288,11 +297,10 @@ def matmul_gelu_rhs(dy: torch.Tensor, h: torch.Tensor, approximate: str,
     out = torch.empty((splits, M, N), device=dy.device, dtype=part_dtype)
     flags = dict(APPROX=gelu_mode(approximate, dy), ACC=acc_dtype(dy),
                  PRECISION=dot_precision(dy))
-    if use_tma and tma_ok(out):
-        bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
-        _matmul_gelu_rhs_tma_kernel[persistent_grid(tiles * splits, dy.device)](
-            descriptor(h, [bk, bm]), descriptor(dy, [bk, bn]), descriptor(out, [1, bn, bm // 2]),
-            M, N, K, k_split, splits, **flags, **cfg.meta())
+    if use_tma and tma_aligned(out):
+        launch(_matmul_gelu_rhs_tma_kernel, tiles * splits, dy.device, h, dy, out,
+               M, N, K, k_split, splits, h.stride(0), dy.stride(0), out.stride(0), out.stride(1),
+               config=cfg, **flags)
     else:
         _matmul_gelu_rhs_kernel[lambda meta: (_gemm_grid(M, N)(meta)[0], splits)](
             dy, h, out, M, N, K, k_split,
