@@ -3,10 +3,12 @@
   python scripts/bench.py kernels [--family linear_gelu qkv attention layernorm cross_entropy]
       [--out DIR]
       kernel microbenchmarks (triton.testing.do_bench medians): fused vs eager vs
-      torch.compile vs the library ceiling -> DIR/kernels.json, DIR/kernels.png
+      torch.compile vs the library ceiling -> DIR/kernels.json, DIR/kernels.png;
+      --graph times CUDA-graph replays instead (GPU time only) -> DIR/kernels-graph.*
   python scripts/bench.py train [--model gpt2] [--batch 16] [--seq 1024] [--steps 20] [--out DIR]
       training steps (forward, backward, AdamW; bf16 autocast) for the variants eager-math,
-      eager-sdpa, compile-sdpa, fused, compile-fused and the per-family ablation:
+      eager-sdpa, compile-sdpa, fused, compile-fused, fused-graph and eager-sdpa-graph
+      (the whole step as one CUDA graph) and the per-family ablation:
       tokens/s, step ms, MFU, peak memory -> DIR/train.json, DIR/train.png
   python scripts/bench.py parity [--model tiny] [--steps 100] [--out DIR]
       fused and eager trained from one seed on the same stdlib batches: overlaid loss
@@ -35,10 +37,16 @@ from fusedtrain import eager, ops
 DTYPE = torch.bfloat16
 
 
+GRAPH_TIMING = False  # kernels --graph: time CUDA-graph replays, without the host's cost
+
+
 def bench(fn, warmup=25, rep=100) -> float:
-    """Median milliseconds of fn()."""
+    """Median milliseconds of fn(): launched from Python as a user's code would, or (with
+    GRAPH_TIMING) captured once in a CUDA graph and replayed, which leaves the GPU time."""
     import triton.testing
 
+    if GRAPH_TIMING:
+        return triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median")
     return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
 
@@ -230,6 +238,11 @@ def train_variants(ablation: bool, compile_mode: str = "default") -> dict[str, d
         "compile-sdpa": dict(kernels=none, eager_attention="sdpa", compile=compile_mode),
         "fused": dict(kernels=every, eager_attention="sdpa", compile=False),
         "compile-fused": dict(kernels=every, eager_attention="sdpa", compile=compile_mode),
+        # The whole step (forward, backward, AdamW) captured once as one CUDA graph and
+        # replayed: the GPU work of `fused` without the host's per-launch cost.
+        "fused-graph": dict(kernels=every, eager_attention="sdpa", compile=False, graph=True),
+        "eager-sdpa-graph": dict(kernels=none, eager_attention="sdpa", compile=False,
+                                 graph=True),
     }
     if ablation:
         for fam in KERNEL_FAMILIES:
@@ -273,21 +286,51 @@ def train_setup(model_name: str, batch: int, seq: int, n_batches: int, variant: 
     loss_fn = torch.compile(model.loss, mode=None if mode == "default" else mode) if mode \
         else model.loss
     graphs = mode == "reduce-overhead"
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
+    whole_step_graph = variant.get("graph", False) and device == "cuda"
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda",
+                            capturable=whole_step_graph)
     data = training_batches(data_source, n_batches, batch, seq, cfg.vocab_size, device)
-    amp = torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda")
+    # Autocast's weight-cast cache would hold tensors made during capture; graphs need it off.
+    amp = torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda",
+                         cache_enabled=not whole_step_graph)
 
-    def step(i: int) -> torch.Tensor:
+    def train_on(batch: torch.Tensor) -> torch.Tensor:
+        """batch: (B, T + 1) tokens -> the loss, after backward and the optimizer step."""
         if graphs:  # CUDA-graph replays reuse their output memory: one step per replay
             torch.compiler.cudagraph_mark_step_begin()
         with amp:
-            loss = loss_fn(data[i, :, :-1], data[i, :, 1:])
+            loss = loss_fn(batch[:, :-1], batch[:, 1:])
         loss.backward()
         opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.detach().clone()
+        opt.zero_grad(set_to_none=not whole_step_graph)
+        return loss.detach()
 
-    return model, step, data
+    if whole_step_graph:
+        return model, _graphed_step(train_on, data), data
+    return model, lambda i: train_on(data[i]).clone(), data
+
+
+def _graphed_step(train_on, data: torch.Tensor):
+    """train_on captured as one CUDA graph over a static batch buffer: three eager steps on
+    a side stream first (Triton compiles and autotunes there, AdamW makes its state), then
+    each call copies batch i into the buffer and replays the graph."""
+    batch = data[0].clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for i in range(3):
+            train_on(data[i])
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        loss = train_on(batch)
+
+    def step(i: int) -> torch.Tensor:
+        batch.copy_(data[i])
+        graph.replay()
+        return loss.clone()
+
+    return step
 
 
 def bench_train_variant(model_name: str, batch: int, seq: int, steps: int, warmup: int,
@@ -528,6 +571,9 @@ def main(argv=None) -> int:
     k = sub.add_parser("kernels", help="kernel microbenchmarks")
     k.add_argument("--family", nargs="+", choices=list(FAMILIES), default=list(FAMILIES))
     k.add_argument("--out", default="results")
+    k.add_argument("--graph", action="store_true",
+                   help="time CUDA-graph replays (GPU time without Python's launch cost); "
+                        "writes kernels-graph.json/png")
     t = sub.add_parser("train", help="training throughput, fused vs eager vs torch.compile")
     _run_shape_args(t, steps=20)
     t.add_argument("--ablation", action="store_true", help="also fused minus one family")
@@ -589,20 +635,24 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench.py kernels needs a CUDA GPU", file=sys.stderr)
         return 2
+    global GRAPH_TIMING
+    GRAPH_TIMING = args.graph
+    name = "kernels-graph" if args.graph else "kernels"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     rows: list[dict] = []
     info = env()
+    info["timing"] = "CUDA-graph replay" if args.graph else "Python launches"
     print(json.dumps(info))
     for fam in args.family:
         t0 = time.time()
         FAMILIES[fam](rows)
         print(f"[{fam}: {time.time() - t0:.0f}s]", file=sys.stderr)
-        (out / "kernels.json").write_text(json.dumps({"env": info, "rows": rows}, indent=1))
+        (out / f"{name}.json").write_text(json.dumps({"env": info, "rows": rows}, indent=1))
     print_table(rows)
-    plot(rows, out / "kernels.png", f"{info['gpu']}, torch {info['torch']}, triton "
-         f"{info['triton']}, {info['dtype']}, {info['date']}")
+    plot(rows, out / f"{name}.png", f"{info['gpu']}, torch {info['torch']}, triton "
+         f"{info['triton']}, {info['dtype']}, {info['date']}, {info['timing']}")
     return 0
 
 

@@ -7,7 +7,9 @@ segments s in {q, k, v} of C = H*D features each:
   token m   -> (b, t) = (m // T, m % T)
   feature c -> (h, d) = (c // D, c % D)        within segment s
 Every program works inside one segment, so its q/k/v pointer is a scalar choice.
-Block sizes: triton.autotune over the shared GEMM tilings, keyed on (M, C).
+The forward and dx GEMMs have a persistent TMA version (kernels/_tma.py: Hopper, 16-bit,
+aligned operands; tiles from its measured table) beside the pointer-based one used for
+everything else (block sizes: triton.autotune over the shared tilings, keyed on (M, C)).
 """
 
 from __future__ import annotations
@@ -22,12 +24,37 @@ from fusedtrain.kernels._common import (
     acc_dtype,
     autotune,
     cdiv,
+    device_fn,
     dot_precision,
     gemm_configs,
     grouped_tile,
     matmul_acc,
     pick3,
 )
+from fusedtrain.kernels._tma import (
+    TmaConfig,
+    column_halves,
+    launch,
+    matrix_desc,
+    tma_config,
+    tma_matmul,
+    tma_ok,
+)
+
+
+@device_fn
+def _store_heads(acc, offs_m, offs_c, seg, b_ptr, q_ptr, k_ptr, v_ptr, M, C, T, D,
+                 s_ob, s_oh, s_ot, s_od, HAS_BIAS: tl.constexpr):
+    """Epilogue of the forward: + bias, then rows m = (b, t) and columns c = (h, d) of
+    segment seg stored at q, k or v[b, h, t, d]."""
+    m_ok, c_ok = offs_m < M, offs_c < C
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + seg * C + offs_c, mask=c_ok, other=0.0).to(acc.dtype)[None, :]
+    b = offs_m.to(tl.int64) // T
+    t = offs_m.to(tl.int64) % T
+    dst = (pick3(seg, q_ptr, k_ptr, v_ptr) + (b * s_ob + t * s_ot)[:, None]
+           + ((offs_c // D).to(tl.int64) * s_oh + (offs_c % D) * s_od)[None, :])
+    tl.store(dst, acc.to(q_ptr.dtype.element_ty), mask=m_ok[:, None] & c_ok[None, :])
 
 
 @autotune(gemm_configs(), key=["M", "C"], interpret=INTERPRET_GEMM, wide=WIDE_GEMM)
@@ -44,20 +71,14 @@ def _qkv_fwd_kernel(
     seg = pid_n // tiles_per_seg
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_c = (pid_n % tiles_per_seg) * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_ok, c_ok = offs_m < M, offs_c < C
-    b = offs_m.to(tl.int64) // T
-    t = offs_m.to(tl.int64) % T
     w_rows = (seg * C + offs_c).to(tl.int64)  # rows of W_qkv this tile produces
     acc = tl.full((BLOCK_M, BLOCK_N), 0.0, ACC)
     # out[m, c] = sum_j x[b, t, j] * W[seg*C + c, j]
-    acc = matmul_acc(acc, x_ptr, w_ptr, b * s_xb + t * s_xt, w_rows * s_w0, m_ok, c_ok,
+    acc = matmul_acc(acc, x_ptr, w_ptr, (offs_m.to(tl.int64) // T) * s_xb
+                     + (offs_m.to(tl.int64) % T) * s_xt, w_rows * s_w0, offs_m < M, offs_c < C,
                      1, C, 0, s_xc, 0, s_w1, BLOCK_K, PRECISION)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + w_rows, mask=c_ok, other=0.0).to(ACC)[None, :]
-    out = pick3(seg, q_ptr, k_ptr, v_ptr)
-    dst = (out + (b * s_ob + t * s_ot)[:, None]
-           + ((offs_c // D).to(tl.int64) * s_oh + (offs_c % D) * s_od)[None, :])
-    tl.store(dst, acc.to(q_ptr.dtype.element_ty), mask=m_ok[:, None] & c_ok[None, :])
+    _store_heads(acc, offs_m, offs_c, seg, b_ptr, q_ptr, k_ptr, v_ptr, M, C, T, D,
+                 s_ob, s_oh, s_ot, s_od, HAS_BIAS)
 
 
 @autotune(gemm_configs(), key=["M", "C"], interpret=INTERPRET_GEMM, wide=WIDE_GEMM)
@@ -112,37 +133,126 @@ def _qkv_dw_kernel(
     tl.store(dst, acc.to(dw_ptr.dtype.element_ty), mask=r_ok[:, None] & n_ok[None, :])
 
 
-def qkv_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-            n_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x: (B, T, C), weight: (3C, C), bias: (3C,) -> q, k, v: (B, H, T, D), contiguous."""
+# ---------------------------------------------------------------- TMA (Hopper) versions
+
+
+@triton.jit
+def _qkv_fwd_tma_kernel(
+    x_ptr, w_ptr, b_ptr, q_ptr, k_ptr, v_ptr, M, C, T, D,
+    s_xm, s_w0, s_ob, s_oh, s_ot, s_od,
+    HAS_BIAS: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    # x viewed as (M, C) tokens; a tile's W rows may run past its segment's end when
+    # C % BLOCK_N != 0: those columns are computed and masked at the store.
+    x_desc = matrix_desc(x_ptr, M, C, s_xm, BLOCK_M, BLOCK_K)
+    w_desc = matrix_desc(w_ptr, 3 * C, C, s_w0, BLOCK_N, BLOCK_K)
+    tiles_per_seg = cdiv(C, BLOCK_N)
+    tiles = cdiv(M, BLOCK_M) * 3 * tiles_per_seg
+    for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=True):
+        pid_m, pid_n = grouped_tile(tile, M, 3 * tiles_per_seg * BLOCK_N, BLOCK_M, BLOCK_N,
+                                    GROUP_M)
+        seg = pid_n // tiles_per_seg
+        off_m, off_c = pid_m * BLOCK_M, (pid_n % tiles_per_seg) * BLOCK_N
+        acc = tma_matmul(x_desc, w_desc, off_m, seg * C + off_c, 0, C, ACC, PRECISION,
+                         BLOCK_M, BLOCK_N, BLOCK_K, B_TRANS=True)
+        left, right = column_halves(acc, BLOCK_M, BLOCK_N)
+        offs_m = off_m + tl.arange(0, BLOCK_M)
+        offs_c = off_c + tl.arange(0, BLOCK_N // 2)
+        _store_heads(left, offs_m, offs_c, seg, b_ptr, q_ptr, k_ptr, v_ptr, M, C, T, D,
+                     s_ob, s_oh, s_ot, s_od, HAS_BIAS)
+        _store_heads(right, offs_m, offs_c + BLOCK_N // 2, seg, b_ptr, q_ptr, k_ptr, v_ptr,
+                     M, C, T, D, s_ob, s_oh, s_ot, s_od, HAS_BIAS)
+
+
+@device_fn
+def _head_rows_matmul(acc, g_desc, w_desc, row0, T, D, w_row0, off_n, C,
+                      BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    """acc += g[b, :, t0:t0 + BLOCK_M, :] (as a (BLOCK_M, C) matrix of heads side by side)
+    @ W[w_row0:w_row0 + C, off_n:off_n + BLOCK_N]; g_desc views g (B, H, T, D) as rows
+    (b*H + h)*T + t, and row0 is the tile's (b, 0, t0) row."""
+    for k in range(0, C, BLOCK_K):
+        a = g_desc.load([row0 + (k // D) * T, k % D])
+        acc = tl.dot(a, w_desc.load([w_row0 + k, off_n]), acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
+def _qkv_dx_tma_kernel(
+    dq_ptr, dk_ptr, dv_ptr, w_ptr, dx_ptr, M, C, T, H, D, s_w0, s_dxm,
+    ACC: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    # dx[m, n] = sum_s sum_(h, d) dseg[b, h, t, d] * W[s*C + h*D + d, n]. Needs contiguous
+    # dq, dk, dv, T % BLOCK_M == 0 (a row tile stays in one sequence) and D % BLOCK_K == 0
+    # (a k tile stays in one head).
+    rows = M * H
+    dq_desc = matrix_desc(dq_ptr, rows, D, D, BLOCK_M, BLOCK_K)
+    dk_desc = matrix_desc(dk_ptr, rows, D, D, BLOCK_M, BLOCK_K)
+    dv_desc = matrix_desc(dv_ptr, rows, D, D, BLOCK_M, BLOCK_K)
+    w_desc = matrix_desc(w_ptr, 3 * C, C, s_w0, BLOCK_K, BLOCK_N)
+    dx_desc = matrix_desc(dx_ptr, M, C, s_dxm, BLOCK_M, BLOCK_N // 2)
+    tiles = cdiv(M, BLOCK_M) * cdiv(C, BLOCK_N)
+    for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0)):
+        pid_m, pid_n = grouped_tile(tile, M, C, BLOCK_M, BLOCK_N, GROUP_M)
+        off_m, off_n = pid_m * BLOCK_M, pid_n * BLOCK_N
+        row0 = (off_m // T) * H * T + off_m % T
+        acc = tl.full((BLOCK_M, BLOCK_N), 0.0, ACC)
+        acc = _head_rows_matmul(acc, dq_desc, w_desc, row0, T, D, 0, off_n, C,
+                                BLOCK_K, PRECISION)
+        acc = _head_rows_matmul(acc, dk_desc, w_desc, row0, T, D, C, off_n, C,
+                                BLOCK_K, PRECISION)
+        acc = _head_rows_matmul(acc, dv_desc, w_desc, row0, T, D, 2 * C, off_n, C,
+                                BLOCK_K, PRECISION)
+        left, right = column_halves(acc, BLOCK_M, BLOCK_N)
+        dx_desc.store([off_m, off_n], left.to(dx_desc.dtype))
+        dx_desc.store([off_m, off_n + BLOCK_N // 2], right.to(dx_desc.dtype))
+
+
+def qkv_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n_heads: int,
+            config: TmaConfig | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x: (B, T, C), weight: (3C, C), bias: (3C,) -> q, k, v: (B, H, T, D), contiguous.
+    `config` overrides the TMA tile table (for tuning and tests)."""
     B, T, C = x.shape
     D = C // n_heads
     q, k, v = (torch.empty((B, n_heads, T, D), device=x.device, dtype=x.dtype)
                for _ in range(3))
     M = B * T
+    flags = dict(HAS_BIAS=bias is not None, ACC=acc_dtype(x), PRECISION=dot_precision(x))
+    b_arg = bias if bias is not None else x
+    if tma_ok(x, weight) and (B == 1 or x.stride(0) == T * x.stride(1)):
+        cfg = config or tma_config(C)
+        tiles = triton.cdiv(M, cfg.block_m) * 3 * triton.cdiv(C, cfg.block_n)
+        launch(_qkv_fwd_tma_kernel, tiles, x.device, x, weight, b_arg, q, k, v, M, C, T, D,
+               x.stride(1), weight.stride(0), *q.stride(), config=cfg, **flags)
+        return q, k, v
     grid = lambda meta: (  # noqa: E731
         triton.cdiv(M, meta["BLOCK_M"]) * 3 * triton.cdiv(C, meta["BLOCK_N"]),)
-    _qkv_fwd_kernel[grid](
-        x, weight, bias if bias is not None else x, q, k, v, M, C, T, D,
-        *x.stride(), *weight.stride(), *q.stride(),
-        HAS_BIAS=bias is not None, ACC=acc_dtype(x), PRECISION=dot_precision(x),
-    )
+    _qkv_fwd_kernel[grid](x, weight, b_arg, q, k, v, M, C, T, D,
+                          *x.stride(), *weight.stride(), *q.stride(), **flags)
     return q, k, v
 
 
-def qkv_dx(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
-           weight: torch.Tensor) -> torch.Tensor:
+def qkv_dx(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, weight: torch.Tensor,
+           config: TmaConfig | None = None) -> torch.Tensor:
     """dq, dk, dv: (B, H, T, D) with equal strides, weight: (3C, C) -> dx: (B, T, C)."""
     B, H, T, D = dq.shape
     C = H * D
     dx = torch.empty((B, T, C), device=dq.device, dtype=dq.dtype)
     M = B * T
+    flags = dict(ACC=acc_dtype(dq), PRECISION=dot_precision(dq))
+    cfg = config or tma_config(C)
+    if (tma_ok(dq, dk, dv, weight) and dq.is_contiguous() and T % cfg.block_m == 0
+            and D % cfg.block_k == 0):
+        tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(C, cfg.block_n)
+        launch(_qkv_dx_tma_kernel, tiles, dq.device, dq, dk, dv, weight, dx, M, C, T, H, D,
+               weight.stride(0), dx.stride(1), config=cfg, **flags)
+        return dx
     grid = lambda meta: (  # noqa: E731
         triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(C, meta["BLOCK_N"]),)
     _qkv_dx_kernel[grid](
         dq, dk, dv, weight, dx, M, C, T, H, D, *dq.stride(), *weight.stride(), *dx.stride(),
-        ACC=acc_dtype(dq), PRECISION=dot_precision(dq),
-    )
+        **flags)
     return dx
 
 
