@@ -340,13 +340,14 @@ def bench_train_variant(model_name: str, batch: int, seq: int, steps: int, warmu
     sync at each end), per-step ms from CUDA events read afterwards."""
     from fusedtrain.module import peak_flops
 
+    cuda = device == "cuda"
+    if cuda:  # from before setup: a graphed variant allocates its step's memory at capture
+        torch.cuda.reset_peak_memory_stats()
     model, step, _ = train_setup(model_name, batch, seq, warmup + steps, variant, device,
                                  data_source)
     losses = [step(i) for i in range(warmup)]
-    cuda = device == "cuda"
     if cuda:
         torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
         events = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
         events[0].record()
     t0 = time.perf_counter()
