@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from fusedtrain.kernels._common import SUPPORTED_DTYPES
@@ -11,19 +9,18 @@ from fusedtrain.kernels._common import SUPPORTED_DTYPES
 GELU_FORMS = ("none", "tanh")
 
 
-@functools.cache
-def _dtensor_type() -> type | tuple:
-    if not torch.distributed.is_available():
-        return ()
-    from torch.distributed.tensor import DTensor
-
-    return DTensor
+# Resolved once at import, not behind a cache: torch.compile traces check_tensor, and would
+# warn about (and re-trace) a cached function.
+if torch.distributed.is_available():
+    from torch.distributed.tensor import DTensor as _DTensor
+else:
+    _DTensor = ()
 
 
 def check_tensor(name: str, t, *, ndim: int | None = None, min_ndim: int | None = None) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if isinstance(t, _dtensor_type()):
+    if isinstance(t, _DTensor):
         # FSDP and DDP hand the ops plain tensors; a DTensor arrives only under tensor
         # parallelism, where a kernel would see one shard and silently compute on it.
         raise TypeError(f"{name} is a DTensor (sharded): the fused ops take local tensors; "
