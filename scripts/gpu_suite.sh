@@ -32,6 +32,8 @@ if [ "${2:-}" != quick ]; then
   step scale-t4096 600 python scripts/bench.py train --seq 4096 --batch 4 \
     --variants eager-sdpa compile-sdpa fused --out "$out/t4096"
   step kernels 900 python scripts/bench.py kernels --out "$out"
+  step kernels-graph 900 python scripts/bench.py kernels --graph --out "$out"
+  step tune-tma 400 python scripts/tune_tma.py --out "$out"
   step gradcheck 400 python scripts/gradcheck.py model=gpt2 "gradcheck.parts=[model,report]" \
     "hydra.run.dir=$out/gradcheck"
   step parity 900 python scripts/bench.py parity --model gpt2 --steps 300 --batch 16 \

@@ -116,6 +116,19 @@ def test_tma_and_pointer_gemms_agree_with_the_oracle(strided):
     torch.testing.assert_close(dw2, x.t() @ torch.nn.functional.gelu(h))
 
 
+def test_split_k_count_balances_the_persistent_grid(monkeypatch):
+    """k_splits picks the slice count whose work items spread most evenly over the SMs:
+    GPT-2's dW2 (72 tiles of 128 x 256 on 132 SMs) -> 7 slices (504 items: 4 rounds of
+    1/7 of K, against 1 round of all of K unsplit); a short K caps the slices at K / 1024."""
+    from fusedtrain.kernels import linear_gelu as K
+
+    monkeypatch.setattr(K, "INTERPRET", False)
+    monkeypatch.setattr(K, "sm_count", lambda device: 132)
+    assert K.k_splits(72, 16384, None) == 7
+    assert K.k_splits(72, 2048, None) == 2
+    assert K.k_splits(512, 16384, None) == 1  # already > 3 waves of whole tiles
+
+
 def test_fused_mlp_saves_only_x_and_h():
     M, C, Hd = 64, 16, 64
     x, w1, b1, w2, b2 = _mlp_inputs(M, C, Hd, dtype=torch.float32)
