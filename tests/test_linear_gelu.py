@@ -125,7 +125,8 @@ def test_split_k_count_balances_the_persistent_grid(monkeypatch):
     monkeypatch.setattr(K, "INTERPRET", False)
     monkeypatch.setattr(K, "sm_count", lambda device: 132)
     assert K.k_splits(72, 16384, None) == 7
-    assert K.k_splits(72, 2048, None) == 2
+    assert K.k_splits(66, 2048, None) == 2  # 132 items: one full wave
+    assert K.k_splits(66, 1024, None) == 1  # K too short to split
     assert K.k_splits(512, 16384, None) == 1  # already > 3 waves of whole tiles
 
 
