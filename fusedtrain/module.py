@@ -77,21 +77,52 @@ class GPTModule(L.LightningModule):
         # only forward, not `.loss`); it holds no parameters of its own, so checkpoints
         # hold them once, under `model.`, whether or not the model was compiled.
         self._loss_fn = torch.compile(self.model.loss) if compile else self.model.loss
+        self._pending_check: tuple[int, torch.Tensor, torch.cuda.Event | None] | None = None
 
     def training_step(self, batch, batch_idx):
         x, y = batch
         loss = self._loss_fn(x, y)
-        finite = bool(torch.isfinite(loss))
-        if self.trainer.world_size > 1:  # every rank stops together, none waits forever
-            finite = self.trainer.strategy.reduce_boolean_decision(finite, all=True)
-        if not finite:
-            raise NonFiniteLossError(
-                f"non-finite training loss at step {self.global_step} (this rank's loss: "
-                f"{loss.item()}); stopping, the last good checkpoint is kept")
+        previous, self._pending_check = self._pending_check, self._queue_finite_check(loss)
+        self._raise_if_non_finite(previous)
         self.log("train/loss", loss, prog_bar=True, sync_dist=True)  # mean over ranks
         return loss
 
+    def _queue_finite_check(self, loss: torch.Tensor):
+        """Start checking this step's loss without making the host wait for the GPU: the
+        finite flag (min over ranks, so every rank stops at the same step and none waits
+        forever in a collective) and the loss are copied to pinned host memory behind an
+        event, and read one step later (or before a checkpoint is written)."""
+        finite = torch.isfinite(loss.detach()).float()
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(finite, op=torch.distributed.ReduceOp.MIN)
+        stats = torch.stack([finite, loss.detach().float()])
+        if not stats.is_cuda:
+            return self.global_step, stats, None
+        host = torch.empty(2, pin_memory=True)
+        host.copy_(stats, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return self.global_step, host, done
+
+    @staticmethod
+    def _raise_if_non_finite(check) -> None:
+        if check is None:
+            return
+        step, stats, done = check
+        if done is not None:
+            done.synchronize()
+        if stats[0] < 1:
+            raise NonFiniteLossError(
+                f"non-finite training loss at step {step} (this rank's loss: "
+                f"{stats[1].item()}); stopping, the last good checkpoint is kept")
+
+    def on_train_end(self) -> None:
+        self._raise_if_non_finite(self._pending_check)
+
     def on_save_checkpoint(self, checkpoint: dict) -> None:
+        # Never write weights that a non-finite step has already updated. Every rank
+        # builds the checkpoint, and every rank holds the same reduced flag.
+        self._raise_if_non_finite(self._pending_check)
         checkpoint["rng"] = {"torch": torch.get_rng_state(),
                              "cuda": torch.cuda.get_rng_state_all()
                              if torch.cuda.is_available() else [],
@@ -160,34 +191,34 @@ class SaveOnInterrupt(L.Callback):
 
 class ThroughputMonitor(L.Callback):
     """Logs tokens/s over all devices (and per device, when there are several) and MFU
-    (per device, on a known GPU) over a sliding window of steps.
+    (per device, on a known GPU), each over the last `window` steps.
 
     The first `skip_steps` steps (torch.compile, Triton autotuning, allocator
-    warm-up) are left out of the rate; the window start is synchronised so the
-    rate covers finished device work.
+    warm-up) are left out of the rate. The device is synchronised only at window
+    boundaries (and at the last step), so the rate covers finished device work while
+    the host keeps running ahead of the GPU in between.
     """
 
     def __init__(self, skip_steps: int = 5, window: int = 10):
         self.skip_steps, self.window = skip_steps, window
-        self._marks: list[tuple[float, int]] = []
+        self._mark: tuple[float, int] | None = None  # (time, step) of the last boundary
         self.tokens_per_s: float | None = None
         self.mfu: float | None = None
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         step = trainer.global_step
-        if step < self.skip_steps:
+        if step < self.skip_steps or ((step - self.skip_steps) % self.window
+                                      and step != trainer.max_steps):
             return
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        x = batch[0]
-        tokens = x.numel() * trainer.world_size
-        self._marks.append((time.perf_counter(), tokens))
-        self._marks = self._marks[-(self.window + 1):]
-        if len(self._marks) < 2:
+        now, mark = time.perf_counter(), self._mark
+        self._mark = (now, step)
+        if mark is None or step == mark[1]:
             return
-        elapsed = self._marks[-1][0] - self._marks[0][0]
-        done = sum(t for _, t in self._marks[1:])
-        self.tokens_per_s = done / elapsed
+        x = batch[0]
+        tokens = (step - mark[1]) * trainer.accumulate_grad_batches * x.numel()
+        self.tokens_per_s = tokens * trainer.world_size / (now - mark[0])
         pl_module.log("tokens_per_s", self.tokens_per_s, prog_bar=True)  # all devices
         if trainer.world_size > 1:
             pl_module.log("tokens_per_s_per_device", self.tokens_per_s / trainer.world_size)

@@ -11,7 +11,7 @@ import hydra
 import lightning as L
 import torch
 from hydra.core.hydra_config import HydraConfig
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 from lightning.pytorch.loggers import CSVLogger
 from omegaconf import DictConfig, OmegaConf
 
@@ -127,9 +127,13 @@ def train(cfg: DictConfig) -> dict:
         from lightning.pytorch.loggers import TensorBoardLogger
 
         loggers.append(TensorBoardLogger(run_dir, name="tensorboard", version=""))
+    callbacks = [throughput, checkpoints, SaveOnInterrupt(str(ckpt_dir / "last.ckpt"))]
+    if trainer_kwargs.get("enable_progress_bar", True):
+        # Redrawn every log interval, not every step: each redraw reads the logged loss
+        # back from the GPU, which would make the host wait for the device every step.
+        callbacks.append(TQDMProgressBar(refresh_rate=trainer_kwargs.get("log_every_n_steps", 10)))
     trainer = L.Trainer(
-        default_root_dir=run_dir, logger=loggers,
-        callbacks=[throughput, checkpoints, SaveOnInterrupt(str(ckpt_dir / "last.ckpt"))],
+        default_root_dir=run_dir, logger=loggers, callbacks=callbacks,
         plugins=[SafeCheckpointIO()], use_distributed_sampler=False,  # SkipSampler shards
         **trainer_kwargs,
     )

@@ -187,6 +187,27 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
     assert ckpt["global_step"] == 10  # the last checkpoint before the bad step
 
 
+def test_non_finite_last_step_writes_no_checkpoint(tmp_path):
+    """The loss is checked one step late (no host-device sync a step); a non-finite loss
+    in the very last step must still fail the run before the final checkpoint is written."""
+    patch = """
+        from fusedtrain.model import GPT
+        real_loss = GPT.loss
+        calls = [0]
+        def loss(self, idx, targets):
+            calls[0] += self.training
+            out = real_loss(self, idx, targets)
+            return out * float("nan") if self.training and calls[0] == 6 else out
+        GPT.loss = loss
+    """
+    r = _run(["trainer.max_steps=6", "trainer.val_check_interval=6",
+              "trainer.limit_val_batches=1", f"hydra.run.dir={tmp_path}"], tmp_path,
+             prefix=_patched_train(patch))
+    assert r.returncode == 3, r.stderr[-2000:]
+    assert "non-finite training loss at step 5" in r.stderr
+    assert not list((tmp_path / "checkpoints").glob("*.ckpt"))
+
+
 def test_compiled_module_keeps_one_copy_of_the_parameters():
     from fusedtrain.model import GPTConfig
     from fusedtrain.module import GPTModule, OptimConfig
