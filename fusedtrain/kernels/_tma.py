@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from fusedtrain.kernels import INTERPRET
-from fusedtrain.kernels._common import device_fn, gelu, sm_count
+from fusedtrain.kernels._common import device_fn, gelu, grouped_tile, sm_count
 
 
 @dataclass(frozen=True)
@@ -98,6 +98,14 @@ def matrix_desc(ptr, rows, cols, row_stride, BLOCK_R: tl.constexpr, BLOCK_C: tl.
     (BLOCK_R, BLOCK_C) tiles."""
     return tl.make_tensor_descriptor(ptr, shape=[rows, cols], strides=[row_stride, 1],
                                      block_shape=[BLOCK_R, BLOCK_C])
+
+
+@device_fn
+def tile_origin(tile, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                GROUP_M: tl.constexpr):
+    """(first row, first column) of output tile number `tile`, in grouped order."""
+    pid_m, pid_n = grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    return pid_m * BLOCK_M, pid_n * BLOCK_N
 
 
 @device_fn

@@ -34,7 +34,6 @@ from fusedtrain.kernels._common import (
     gelu_mode,
     gemm_configs,
     gemm_tile,
-    grouped_tile,
     sm_count,
     stat_dtype,
     tile_ptrs,
@@ -44,6 +43,7 @@ from fusedtrain.kernels._tma import (
     column_halves,
     launch,
     matrix_desc,
+    tile_origin,
     tma_aligned,
     tma_config,
     tma_matmul,
@@ -149,8 +149,7 @@ def _linear_gelu_fwd_tma_kernel(
     h_desc = matrix_desc(h_ptr, M, N, s_hm, BLOCK_M, BLOCK_N // 2)
     tiles = cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N)
     for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=True):
-        pid_m, pid_n = grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-        off_m, off_n = pid_m * BLOCK_M, pid_n * BLOCK_N
+        off_m, off_n = tile_origin(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
         acc = tma_matmul(x_desc, w_desc, off_m, off_n, 0, K, ACC, PRECISION,
                          BLOCK_M, BLOCK_N, BLOCK_K, B_TRANS=True)
         left, right = column_halves(acc, BLOCK_M, BLOCK_N)
@@ -179,8 +178,7 @@ def _matmul_dgelu_tma_kernel(
     dh_desc = matrix_desc(dh_ptr, M, N, s_dhm, BLOCK_M, BLOCK_N // 2)
     tiles = cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N)
     for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=True):
-        pid_m, pid_n = grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-        off_m, off_n = pid_m * BLOCK_M, pid_n * BLOCK_N
+        off_m, off_n = tile_origin(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
         acc = tma_matmul(dy_desc, w_desc, off_m, off_n, 0, K, ACC, PRECISION,
                          BLOCK_M, BLOCK_N, BLOCK_K)
         left, right = column_halves(acc, BLOCK_M, BLOCK_N)
@@ -206,8 +204,7 @@ def _matmul_gelu_rhs_tma_kernel(
     tiles = cdiv(N, BLOCK_M) * cdiv(M, BLOCK_N)
     for w in tl.range(tl.program_id(0), tiles * SPLITS, tl.num_programs(0), flatten=True):
         s = w // tiles
-        pid_n, pid_m = grouped_tile(w % tiles, N, M, BLOCK_M, BLOCK_N, GROUP_M)
-        off_n, off_m = pid_n * BLOCK_M, pid_m * BLOCK_N
+        off_n, off_m = tile_origin(w % tiles, N, M, BLOCK_M, BLOCK_N, GROUP_M)
         k0 = s * K_SPLIT
         acc = tma_matmul(h_desc, dy_desc, off_n, off_m, k0, tl.minimum(K - k0, K_SPLIT),
                          ACC, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,

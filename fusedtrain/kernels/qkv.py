@@ -36,6 +36,7 @@ from fusedtrain.kernels._tma import (
     column_halves,
     launch,
     matrix_desc,
+    tile_origin,
     tma_config,
     tma_matmul,
     tma_ok,
@@ -194,8 +195,7 @@ def _qkv_dx_tma_kernel(
     dx_desc = matrix_desc(dx_ptr, M, C, s_dxm, BLOCK_M, BLOCK_N // 2)
     tiles = cdiv(M, BLOCK_M) * cdiv(C, BLOCK_N)
     for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0)):
-        pid_m, pid_n = grouped_tile(tile, M, C, BLOCK_M, BLOCK_N, GROUP_M)
-        off_m, off_n = pid_m * BLOCK_M, pid_n * BLOCK_N
+        off_m, off_n = tile_origin(tile, M, C, BLOCK_M, BLOCK_N, GROUP_M)
         row0 = (off_m // T) * H * T + off_m % T
         acc = tl.full((BLOCK_M, BLOCK_N), 0.0, ACC)
         acc = _head_rows_matmul(acc, dq_desc, w_desc, row0, T, D, 0, off_n, C,
