@@ -116,6 +116,16 @@ def test_tma_and_pointer_gemms_agree_with_the_oracle(strided):
     torch.testing.assert_close(dw2, x.t() @ torch.nn.functional.gelu(h))
 
 
+def test_tma_alignment_rule():
+    from fusedtrain.kernels._tma import tma_aligned
+
+    base = torch.randn(64, 72)
+    assert tma_aligned(base)
+    assert not tma_aligned(base.t())             # unit stride must be the last
+    assert not tma_aligned(torch.randn(1 + 64 * 72)[1:].view(64, 72))  # base off by 4 bytes
+    assert not tma_aligned(torch.randn(64, 70))  # row stride 280 bytes
+
+
 def test_split_k_count_balances_the_persistent_grid(monkeypatch):
     """k_splits picks the slice count whose work items spread most evenly over the SMs:
     GPT-2's dW2 (72 tiles of 128 x 256 on 132 SMs) -> 7 slices (504 items: 4 rounds of
