@@ -345,7 +345,14 @@ def bench_train_variant(model_name: str, batch: int, seq: int, steps: int, warmu
         torch.cuda.reset_peak_memory_stats()
     model, step, _ = train_setup(model_name, batch, seq, warmup + steps, variant, device,
                                  data_source)
-    losses = [step(i) for i in range(warmup)]
+    losses, first_step_s = [], None
+    for i in range(warmup):
+        t_step = time.perf_counter()
+        losses.append(step(i))
+        if i == 0:  # compilation and autotuning happen here
+            if cuda:
+                torch.cuda.synchronize()
+            first_step_s = time.perf_counter() - t_step
     if cuda:
         torch.cuda.synchronize()
         events = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
@@ -369,7 +376,7 @@ def bench_train_variant(model_name: str, batch: int, seq: int, steps: int, warmu
     out = {"tokens_per_s": tokens_per_s, "step_ms_median": times_t.median().item(),
            "step_ms_p10": times_t.quantile(0.1).item(),
            "step_ms_p90": times_t.quantile(0.9).item(),
-           "final_loss": losses[-1], "losses": losses,
+           "first_step_s": first_step_s, "final_loss": losses[-1], "losses": losses,
            "peak_mem_GiB": torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None}
     known = peak_flops() if cuda else None
     if known is not None:
