@@ -23,8 +23,10 @@ A table goes to stdout. Needs a CUDA GPU (the train part also runs on CPU for a 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
+import signal
 import sys
 import time
 from pathlib import Path
@@ -430,6 +432,26 @@ def run_profile(args) -> str:
     return "\n".join(lines)
 
 
+@contextlib.contextmanager
+def _time_limit(seconds: int):
+    """Raise TimeoutError in this (main) thread after `seconds` (0: no limit), so a variant
+    whose compilation runs away is recorded as failed and the others still run."""
+    if not seconds:
+        yield
+        return
+
+    def expire(signum, frame):
+        raise TimeoutError(f"variant took longer than {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def run_train(args, save=lambda results: None) -> dict:
     """Every variant in turn; `save(results)` after each, so an interrupted run keeps
     what it measured."""
@@ -441,8 +463,10 @@ def run_train(args, save=lambda results: None) -> dict:
     for name, v in variants.items():
         t0 = time.time()
         try:
-            results[name] = bench_train_variant(args.model, args.batch, args.seq, args.steps,
-                                                args.warmup, v, device, args.data)
+            with _time_limit(args.variant_timeout):
+                results[name] = bench_train_variant(args.model, args.batch, args.seq,
+                                                    args.steps, args.warmup, v, device,
+                                                    args.data)
         except torch.OutOfMemoryError as e:
             results[name] = {"error": f"out of memory: {str(e)[:100]}"}
         except Exception as e:  # one failing variant must not lose the others' figures
@@ -590,6 +614,9 @@ def main(argv=None) -> int:
                    help="torch.compile mode of the compiled variants (reduce-overhead: CUDA "
                         "graphs, which also remove the host's launch cost)")
     t.add_argument("--variants", nargs="+", help="run only these variants")
+    t.add_argument("--variant-timeout", type=int, default=0, metavar="S",
+                   help="record a variant that runs longer than S seconds (setup, "
+                        "compilation and steps) as failed and go on (0: no limit)")
     t.add_argument("--data", default="synthetic", choices=["synthetic", "stdlib"])
     t.add_argument("--out", default="results")
     f = sub.add_parser("profile", help="torch.profiler summary of training steps")

@@ -29,3 +29,15 @@ def test_loss_parity_on_the_tiny_model(tmp_path):
     assert len(result["curves"]["fused"]) == 4
     assert result["max_abs_diff"] < 1e-4  # fp32 on CPU: same math, different kernels
     assert (tmp_path / "parity.png").stat().st_size > 0
+
+
+def test_a_variant_over_its_time_limit_is_recorded_and_the_rest_still_run(tmp_path):
+    r = subprocess.run(BENCH + ["train", "--model", "tiny", "--batch", "2", "--seq", "16",
+                                "--steps", "2", "--warmup", "1", "--variant-timeout", "3",
+                                "--variants", "compile-fused", "eager-math",
+                                "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    results = json.loads((tmp_path / "train.json").read_text())["results"]
+    assert "variant took longer than 3 s" in results["compile-fused"]["error"]
+    assert results["eager-math"]["tokens_per_s"] > 0
