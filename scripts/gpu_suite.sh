@@ -23,7 +23,7 @@ step() {  # step NAME SECONDS COMMAND...
 
 nvidia-smi -L
 step gpu-tests 900 python -m pytest -q -m gpu -p no:cacheprovider
-step train 600 python scripts/bench.py train --ablation --out "$out"
+step train 600 python scripts/bench.py train --ablation --variant-timeout 200 --out "$out"
 if [ "${2:-}" != quick ]; then
   step train-graphs 400 python scripts/bench.py train --compile-mode reduce-overhead \
     --variants compile-sdpa compile-fused --out "$out/graphs"
