@@ -18,6 +18,7 @@ Kernels fall back to the pointer-based GEMMs (any strides, fp32/fp64 on the GPU)
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -58,6 +59,7 @@ def tma_config(N: int) -> TmaConfig:
     return TmaConfig(block_n=256 if N >= 256 else 128)
 
 
+@functools.lru_cache
 def _hopper(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9
 
