@@ -91,15 +91,21 @@ def tanh_approx(x):
 
 
 @device_fn
+def _tanh_arg(h):
+    """z of the tanh form gelu(h) = 0.5 h (1 + tanh z)."""
+    return SQRT_2_OVER_PI * (h + TANH_COEF * h * h * h)
+
+
+@device_fn
 def gelu(h, APPROX: tl.constexpr):
     """GELU of h (fp32 or fp64). APPROX=0: exact erf form; 1: tanh form, computed as
     h * sigmoid(2z) with z = sqrt(2/pi) (h + 0.044715 h^3), since 0.5 (1 + tanh z) = sigmoid(2z);
     FAST_TANH: the tanh form with tanh_approx."""
     if APPROX == FAST_TANH:
-        z = SQRT_2_OVER_PI * (h + TANH_COEF * h * h * h)
+        z = _tanh_arg(h)
         return 0.5 * h * (1.0 + tanh_approx(z))
     elif APPROX:
-        z = SQRT_2_OVER_PI * (h + TANH_COEF * h * h * h)
+        z = _tanh_arg(h)
         return h * sigmoid(2.0 * z)
     else:
         return 0.5 * h * (1.0 + tl.erf(h * INV_SQRT2))
@@ -109,12 +115,12 @@ def gelu(h, APPROX: tl.constexpr):
 def gelu_grad(h, APPROX: tl.constexpr):
     """d gelu(h) / dh, recomputed from the pre-activation h."""
     if APPROX == FAST_TANH:
-        z = SQRT_2_OVER_PI * (h + TANH_COEF * h * h * h)
+        z = _tanh_arg(h)
         t = tanh_approx(z)
         dz = SQRT_2_OVER_PI * (1.0 + 3.0 * TANH_COEF * h * h)
         return 0.5 * (1.0 + t) + 0.5 * h * (1.0 - t * t) * dz
     elif APPROX:
-        z = SQRT_2_OVER_PI * (h + TANH_COEF * h * h * h)
+        z = _tanh_arg(h)
         s = sigmoid(2.0 * z)
         dz = SQRT_2_OVER_PI * (1.0 + 3.0 * TANH_COEF * h * h)
         return s + h * s * (1.0 - s) * 2.0 * dz
@@ -158,6 +164,15 @@ def matmul_acc(acc, a_ptr, b_ptr, a_rows, b_cols, rows_ok, cols_ok,
             b = gelu(b.to(acc.dtype), APPROX).to(a.dtype)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
     return acc
+
+
+def gemm_flags(data: torch.Tensor, approximate: str | None = None) -> dict:
+    """The ACC and PRECISION constexprs a GEMM kernel takes for `data`, and APPROX (see
+    gelu_mode) when it applies a GELU form."""
+    flags = {"ACC": acc_dtype(data), "PRECISION": dot_precision(data)}
+    if approximate is not None:
+        flags["APPROX"] = gelu_mode(approximate, data)
+    return flags
 
 
 def acc_dtype(t: torch.Tensor) -> tl.dtype:

@@ -28,11 +28,11 @@ from fusedtrain.kernels._common import (
     autotune,
     cdiv,
     device_fn,
-    dot_precision,
     gelu,
     gelu_grad,
     gelu_mode,
     gemm_configs,
+    gemm_flags,
     gemm_tile,
     sm_count,
     stat_dtype,
@@ -229,8 +229,7 @@ def linear_gelu_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     h = torch.empty_like(y) if store_h else None
     h_arg = h if store_h else y  # never written when STORE_H is off
     b_arg = bias if bias is not None else x
-    flags = dict(HAS_BIAS=bias is not None, STORE_H=store_h, APPROX=gelu_mode(approximate, x),
-                 ACC=acc_dtype(x), PRECISION=dot_precision(x))
+    flags = dict(HAS_BIAS=bias is not None, STORE_H=store_h, **gemm_flags(x, approximate))
     if tma_ok(x, weight, y):
         cfg = config or tma_config(N)
         tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
@@ -251,8 +250,7 @@ def matmul_dgelu(dy: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, approximat
     M, K = dy.shape
     N = w2.shape[1]
     dh = torch.empty((M, N), device=dy.device, dtype=dy.dtype)
-    flags = dict(APPROX=gelu_mode(approximate, dy), ACC=acc_dtype(dy),
-                 PRECISION=dot_precision(dy))
+    flags = gemm_flags(dy, approximate)
     if tma_ok(dy, w2, h):
         cfg = config or tma_config(N)
         tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
@@ -292,8 +290,7 @@ def matmul_gelu_rhs(dy: torch.Tensor, h: torch.Tensor, approximate: str,
     splits = triton.cdiv(K, k_split)
     part_dtype = dy.dtype if splits == 1 else stat_dtype(dy)
     out = torch.empty((splits, M, N), device=dy.device, dtype=part_dtype)
-    flags = dict(APPROX=gelu_mode(approximate, dy), ACC=acc_dtype(dy),
-                 PRECISION=dot_precision(dy))
+    flags = gemm_flags(dy, approximate)
     if use_tma and tma_aligned(out):
         launch(_matmul_gelu_rhs_tma_kernel, tiles * splits, dy.device, h, dy, out,
                M, N, K, k_split, splits, h.stride(0), dy.stride(0), out.stride(0), out.stride(1),

@@ -21,12 +21,11 @@ import triton.language as tl
 from fusedtrain.kernels._common import (
     INTERPRET_GEMM,
     WIDE_GEMM,
-    acc_dtype,
     autotune,
     cdiv,
     device_fn,
-    dot_precision,
     gemm_configs,
+    gemm_flags,
     grouped_tile,
     matmul_acc,
     pick3,
@@ -218,7 +217,7 @@ def qkv_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n_
     q, k, v = (torch.empty((B, n_heads, T, D), device=x.device, dtype=x.dtype)
                for _ in range(3))
     M = B * T
-    flags = dict(HAS_BIAS=bias is not None, ACC=acc_dtype(x), PRECISION=dot_precision(x))
+    flags = dict(HAS_BIAS=bias is not None, **gemm_flags(x))
     b_arg = bias if bias is not None else x
     if tma_ok(x, weight) and (B == 1 or x.stride(0) == T * x.stride(1)):
         cfg = config or tma_config(C)
@@ -240,7 +239,7 @@ def qkv_dx(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, weight: torch.T
     C = H * D
     dx = torch.empty((B, T, C), device=dq.device, dtype=dq.dtype)
     M = B * T
-    flags = dict(ACC=acc_dtype(dq), PRECISION=dot_precision(dq))
+    flags = gemm_flags(dq)
     cfg = config or tma_config(C)
     if (tma_ok(dq, dk, dv, weight) and dq.is_contiguous() and T % cfg.block_m == 0
             and D % cfg.block_k == 0):
@@ -266,6 +265,6 @@ def qkv_dw(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
         3 * triton.cdiv(C, meta["BLOCK_M"]) * triton.cdiv(C, meta["BLOCK_N"]),)
     _qkv_dw_kernel[grid](
         dq, dk, dv, x, dw, B * T, C, B, T, D, *dq.stride(), *x.stride(), *dw.stride(),
-        ACC=acc_dtype(dq), PRECISION=dot_precision(dq),
+        **gemm_flags(dq),
     )
     return dw
