@@ -44,10 +44,12 @@ def _configs(shapes: list[tuple[int, int, int, int]]) -> list[triton.Config]:
 
 FWD_CONFIGS = _configs([(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3),
                         (128, 32, 4, 3), (64, 32, 4, 4)])
+# Backward: deeper pipelines over narrow loop blocks (32 query rows per step of the dk/dv
+# loop, 32 keys per step of the dq loop) suit D=64, whose dots are short.
 BWD_KV_CONFIGS = _configs([(64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 4, 3), (32, 64, 4, 3),
-                           (64, 128, 4, 2)])
+                           (64, 128, 4, 2), (32, 128, 4, 5), (64, 128, 8, 3), (16, 128, 4, 5)])
 BWD_Q_CONFIGS = _configs([(128, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3), (64, 32, 4, 3),
-                          (128, 64, 4, 2)])
+                          (128, 64, 4, 2), (128, 32, 4, 5), (128, 64, 8, 3), (64, 32, 4, 5)])
 INTERPRET_CONFIG = triton.Config({"BLOCK_M": 128, "BLOCK_N": 128})
 WIDE_CONFIGS = _configs([(64, 32, 4, 2)])
 
