@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Callable
 
 import torch
 import triton
@@ -221,10 +222,16 @@ def autotune(configs: list[triton.Config], key: list[str], interpret: triton.Con
         data = next(a for a in named_args.values() if isinstance(a, torch.Tensor))
         return wide if data.element_size() >= 4 else candidates
 
+    return cached_autotune(configs, key, by_dtype, **kwargs)
+
+
+def cached_autotune(configs: list[triton.Config], key: list[str], prune: Callable, **kwargs):
+    """triton.autotune over the configs `prune(configs, named_args, **constexprs)` keeps,
+    its choice cached on disk where this Triton supports it."""
     if "cache_results" in inspect.signature(triton.autotune).parameters:
         kwargs.setdefault("cache_results", True)
-    kwargs.setdefault("prune_configs_by", {"early_config_prune": by_dtype})
-    return triton.autotune(configs=configs, key=key, **kwargs)
+    return triton.autotune(configs=configs, key=key,
+                           prune_configs_by={"early_config_prune": prune}, **kwargs)
 
 
 @device_fn

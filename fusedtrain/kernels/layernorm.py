@@ -3,7 +3,8 @@
 Forward: each program normalises a tile of BLOCK_M rows x BLOCK_C (C padded to the next
 power of two and masked), statistics in fp32 (fp64 for fp64 data) whatever the input
 dtype; saves mean and rstd per row.
-Backward: a persistent grid of programs, each walking rows pid, pid + G, ... and keeping
+Tiles (rows per program, warps): autotuned per (C, variant) over a few sizes (_row_tiles).
+Backward: a persistent grid of programs, each walking row tiles pid, pid + G, ... keeping
 its dW / db partial sums in fp32 registers; the (G, C) partials are summed once at the
 end: no atomics on the hot path.
 GELU after the affine map is recomputed in backward from x and the saved statistics.
@@ -18,6 +19,7 @@ import triton.language as tl
 from fusedtrain.kernels import INTERPRET
 from fusedtrain.kernels._common import (
     acc_dtype,
+    cached_autotune,
     gelu,
     gelu_grad,
     gelu_mode,
@@ -30,6 +32,23 @@ NO_GELU = -1
 MAX_C = 65536
 
 
+def _row_tiles(configs: list[triton.Config], named_args: dict, BLOCK_C: int, **_):
+    """The (BLOCK_M rows, num_warps) candidates for rows of BLOCK_C (C padded): tiles of
+    2K-16K elements with 8-32 elements per thread on a GPU (one row of 16 warps past
+    that); under the interpreter, whose cost is per program, one tile of up to 64K."""
+    if INTERPRET:
+        return [triton.Config({"BLOCK_M": max(1, min(64, (1 << 16) // BLOCK_C))})]
+    fit = [c for c in configs
+           if 2048 <= c.kwargs["BLOCK_M"] * BLOCK_C <= 16384
+           and 8 <= c.kwargs["BLOCK_M"] * BLOCK_C // (32 * c.num_warps) <= 32]
+    return fit or [triton.Config({"BLOCK_M": 1}, num_warps=16)]
+
+
+ROW_CONFIGS = [triton.Config({"BLOCK_M": m}, num_warps=w)
+               for m in (1, 2, 4, 8, 16) for w in (4, 8, 16)]
+
+
+@cached_autotune(ROW_CONFIGS, key=["C", "HAS_RES", "GELU"], prune=_row_tiles)
 @triton.jit
 def _ln_fwd_kernel(
     x_ptr, r_ptr, w_ptr, b_ptr, y_ptr, s_ptr, mean_ptr, rstd_ptr, M, C, eps,
@@ -61,6 +80,7 @@ def _ln_fwd_kernel(
     tl.store(rstd_ptr + rows, rstd.to(rstd_ptr.dtype.element_ty), mask=row_ok)
 
 
+@cached_autotune(ROW_CONFIGS, key=["C", "HAS_DS", "GELU"], prune=_row_tiles)
 @triton.jit
 def _ln_bwd_kernel(
     dy_ptr, x_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, ds_ptr, dx_ptr, dw_part_ptr, db_part_ptr,
@@ -105,16 +125,6 @@ def _ln_bwd_kernel(
     tl.store(db_part_ptr + pid * C + cols, db_acc, mask=col_ok)
 
 
-def _tile(C: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_C, num_warps): ~4K elements a tile on a GPU (more rows for small C);
-    far larger tiles under the interpreter, whose cost is per program."""
-    block_c = triton.next_power_of_2(C)
-    budget = 1 << 16 if INTERPRET else 4096
-    block_m = max(1, min(64, budget // block_c))
-    num_warps = min(16, max(4, block_c // 512))
-    return block_m, block_c, num_warps
-
-
 def _rows(t: torch.Tensor) -> torch.Tensor:
     """(..., C) -> (M, C) with a unit column stride (a view where possible)."""
     t = t.reshape(-1, t.shape[-1])
@@ -141,26 +151,25 @@ def layer_norm_fwd(x: torch.Tensor, residual: torch.Tensor | None, weight: torch
     r2 = _rows(residual) if residual is not None else x2
     s = torch.empty((M, C) if residual is not None else (0, C), device=x.device,
                     dtype=stream_dtype)
-    block_m, block_c, num_warps = _tile(C)
-    _ln_fwd_kernel[(triton.cdiv(M, block_m),)](
+    _ln_fwd_kernel[lambda meta: (triton.cdiv(M, meta["BLOCK_M"]),)](
         x2, r2, weight if weight is not None else x2, bias if bias is not None else x2,
         y, s if residual is not None else y, mean, rstd, M, C, eps,
         x2.stride(0), r2.stride(0), y.stride(0), s.stride(0) if residual is not None else 0,
         HAS_RES=residual is not None, HAS_W=weight is not None, HAS_B=bias is not None,
-        GELU=_gelu_code(approximate, y), ACC=acc_dtype(x), BLOCK_M=block_m, BLOCK_C=block_c,
-        num_warps=num_warps,
+        GELU=_gelu_code(approximate, y), ACC=acc_dtype(x), BLOCK_C=triton.next_power_of_2(C),
     )
     if residual is not None:
         s = s.view(x.shape)
     return y.view(x.shape), s, mean, rstd
 
 
-def _num_programs(M: int, block_m: int, device: torch.device) -> int:
-    """Persistent grid size: a few programs per SM (a handful under the interpreter)."""
-    tiles = triton.cdiv(M, block_m)
+def _num_programs(M: int, block_c: int, device: torch.device) -> int:
+    """Persistent grid size, whatever rows a program's tile holds: 2-8 programs per SM,
+    fewer the wider the rows (each writes a row of dW / db partials); a handful under the
+    interpreter."""
     if INTERPRET:
-        return min(tiles, 4)
-    return min(tiles, 4 * sm_count(device))
+        return min(M, 4)
+    return min(M, min(8, max(2, 16384 // block_c)) * sm_count(device))
 
 
 def layer_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None,
@@ -174,8 +183,8 @@ def layer_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | Non
     ds2 = _rows(ds) if ds is not None else dy2
     M = x2.shape[0]
     dx = torch.empty((M, C), device=x.device, dtype=dx_dtype)
-    block_m, block_c, num_warps = _tile(C)
-    G = _num_programs(M, block_m, x.device)
+    block_c = triton.next_power_of_2(C)
+    G = _num_programs(M, block_c, x.device)
     part_dtype = stat_dtype(x)
     dw_part = torch.empty((G, C), device=x.device, dtype=part_dtype)
     db_part = torch.empty_like(dw_part)
@@ -184,8 +193,7 @@ def layer_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | Non
         mean, rstd, ds2, dx, dw_part, db_part, M, C,
         dy2.stride(0), x2.stride(0), ds2.stride(0), dx.stride(0),
         HAS_W=weight is not None, HAS_B=bias is not None, HAS_DS=ds is not None,
-        GELU=_gelu_code(approximate, dx), ACC=acc_dtype(x), BLOCK_M=block_m, BLOCK_C=block_c,
-        num_warps=num_warps,
+        GELU=_gelu_code(approximate, dx), ACC=acc_dtype(x), BLOCK_C=block_c,
     )
     dw = dw_part.sum(0) if weight is not None else None
     db = db_part.sum(0) if bias is not None else None
