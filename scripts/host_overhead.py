@@ -44,8 +44,8 @@ def main(argv=None) -> int:
         return 2
     x = torch.randn(args.rows, args.cols, device="cuda", dtype=torch.bfloat16,
                     requires_grad=True)
-    w = torch.ones(args.cols, device="cuda", requires_grad=True)
-    b = torch.zeros(args.cols, device="cuda", requires_grad=True)
+    w = torch.ones(args.cols, device="cuda", dtype=x.dtype, requires_grad=True)
+    b = torch.zeros(args.cols, device="cuda", dtype=x.dtype, requires_grad=True)
     dy = torch.randn_like(x)
     impls = {"fused": ops.layer_norm, "eager": eager.layer_norm,
              "compile": torch.compile(eager.layer_norm, fullgraph=True),
