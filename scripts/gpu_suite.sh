@@ -42,4 +42,5 @@ step kernels 550 python scripts/bench.py kernels --out "$out"
 step parity 550 python scripts/bench.py parity --model gpt2 --steps 300 --batch 16 \
   --seq 1024 --out "$out"
 step profile 300 python scripts/bench.py profile --variant fused --host --out "$out"
+step host-overhead 120 python scripts/host_overhead.py
 echo "gpu_suite: ${#failed[@]} failed${failed:+: ${failed[*]}}"

@@ -2,6 +2,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+import torch
 from conftest import ROOT
 
 BENCH = [sys.executable, str(ROOT / "scripts" / "bench.py")]
@@ -41,3 +43,12 @@ def test_a_variant_over_its_time_limit_is_recorded_and_the_rest_still_run(tmp_pa
     results = json.loads((tmp_path / "train.json").read_text())["results"]
     assert "variant took longer than 3 s" in results["compile-fused"]["error"]
     assert results["eager-math"]["tokens_per_s"] > 0
+
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="measures on the GPU")
+def test_host_overhead_without_a_gpu_says_so():
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "host_overhead.py"),
+                        "--calls", "1"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2
+    assert "needs a CUDA GPU" in r.stderr
