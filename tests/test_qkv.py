@@ -94,3 +94,14 @@ def test_gpu_bf16_accuracy(B, T, C, H):
                for t in _inputs(B, T, C, dtype=torch.float32))
     check_against_oracle(lambda *a: ops.qkv_projection(*a, H),
                          lambda *a: eager.qkv_projection(*a, H), (x, w, b), 1e-2, 1e-2, "qkv")
+
+
+def test_bias_gradient_in_one_reduction_when_the_gradients_share_a_buffer():
+    from fusedtrain.ops.qkv import _bias_grad, _consecutive
+
+    dq, dk, dv = torch.randn(3, 2, 3, 5, 4, dtype=torch.float64).unbind(0)
+    apart = dv.clone()
+    assert _consecutive(dq, dk, dv) and not _consecutive(dq, dk, apart)
+    expected = torch.cat([g.sum((0, 2)).flatten() for g in (dq, dk, dv)])
+    torch.testing.assert_close(_bias_grad(dq, dk, dv), expected)
+    torch.testing.assert_close(_bias_grad(dq, dk, apart), expected)

@@ -334,7 +334,7 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
 
 def attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   o: torch.Tensor, lse: torch.Tensor, causal: bool, softmax_scale: float):
-    """Gradients (dq, dk, dv), each (B, H, T, D) contiguous."""
+    """Gradients stacked: (3, B, H, T, D) = [dq, dk, dv], contiguous."""
     B, H, T, D, block_d, acc, qk_scale = _common_args(q, softmax_scale)
     delta = torch.empty_like(lse)
     block = 64
@@ -342,7 +342,10 @@ def attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
         o, do, delta, H, T, D, *o.stride(), *do.stride(), ACC=acc, BLOCK_D=block_d,
         BLOCK_M=block,
     )
-    dq, dk, dv = (torch.empty((B, H, T, D), device=q.device, dtype=q.dtype) for _ in range(3))
+    # One buffer, so that a consumer can reduce over all three at once (the QKV
+    # projection's bias gradient: one launch instead of three and a concatenation).
+    grads = torch.empty((3, B, H, T, D), device=q.device, dtype=q.dtype)
+    dq, dk, dv = grads.unbind(0)
     args = (qk_scale, softmax_scale, H, T, D, triton.next_power_of_2(T),
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride())
     meta = dict(CAUSAL=causal, ACC=acc, PRECISION=dot_precision(q), BLOCK_D=block_d)
@@ -350,7 +353,7 @@ def attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
         q, k, v, do, lse, delta, dk, dv, *args, **meta)
     _attn_bwd_dq_kernel[lambda m: (triton.cdiv(T, m["BLOCK_M"]), B * H)](
         q, k, v, do, lse, delta, dq, *args, **meta)
-    return dq, dk, dv
+    return grads
 
 
 def default_scale(head_dim: int) -> float:

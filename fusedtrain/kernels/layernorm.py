@@ -5,8 +5,8 @@ power of two and masked), statistics in fp32 (fp64 for fp64 data) whatever the i
 dtype; saves mean and rstd per row.
 Tiles (rows per program, warps): autotuned per (C, variant) over a few sizes (_row_tiles).
 Backward: a persistent grid of programs, each walking row tiles pid, pid + G, ... keeping
-its dW / db partial sums in fp32 registers; the (G, C) partials are summed once at the
-end: no atomics on the hot path.
+its dW / db partial sums in fp32 registers; the (G, 2, C) partials are summed once at
+the end: no atomics on the hot path.
 GELU after the affine map is recomputed in backward from x and the saved statistics.
 """
 
@@ -83,7 +83,7 @@ def _ln_fwd_kernel(
 @cached_autotune(ROW_CONFIGS, key=["C", "HAS_DS", "GELU"], prune=_row_tiles)
 @triton.jit
 def _ln_bwd_kernel(
-    dy_ptr, x_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, ds_ptr, dx_ptr, dw_part_ptr, db_part_ptr,
+    dy_ptr, x_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, ds_ptr, dx_ptr, part_ptr,
     M, C, s_dy, s_x, s_ds, s_dx,
     HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_DS: tl.constexpr, GELU: tl.constexpr,
     ACC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
@@ -121,8 +121,9 @@ def _ln_bwd_kernel(
         if HAS_DS:  # gradient reaching the residual-stream output s directly
             dx += tl.load(ds_ptr + r64 * s_ds + cols[None, :], mask=mask, other=0.0).to(ACC)
         tl.store(dx_ptr + r64 * s_dx + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
-    tl.store(dw_part_ptr + pid * C + cols, dw_acc, mask=col_ok)
-    tl.store(db_part_ptr + pid * C + cols, db_acc, mask=col_ok)
+    # This program's row of the (G, 2, C) partials: [dW part, db part].
+    tl.store(part_ptr + pid * 2 * C + cols, dw_acc, mask=col_ok)
+    tl.store(part_ptr + pid * 2 * C + C + cols, db_acc, mask=col_ok)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -177,7 +178,8 @@ def layer_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | Non
                    ds: torch.Tensor | None, approximate: str | None, dx_dtype: torch.dtype):
     """Gradients of y = [gelu](LN(x)) w.r.t. x (plus ds, the gradient that reached the
     residual stream output, if given), weight and bias. x is the normalised input (s for
-    add_layer_norm). Returns (dx, dw, db); dw / db are fp32 sums (None without weight/bias)."""
+    add_layer_norm). Returns (dx, sums): sums (2, C) holds the fp32 dW and db sums (each
+    meaningful only if that parameter exists), reduced together in one launch."""
     C = x.shape[-1]
     x2, dy2 = _rows(x), _rows(dy)
     ds2 = _rows(ds) if ds is not None else dy2
@@ -186,15 +188,12 @@ def layer_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | Non
     block_c = triton.next_power_of_2(C)
     G = _num_programs(M, block_c, x.device)
     part_dtype = stat_dtype(x)
-    dw_part = torch.empty((G, C), device=x.device, dtype=part_dtype)
-    db_part = torch.empty_like(dw_part)
+    parts = torch.empty((G, 2, C), device=x.device, dtype=part_dtype)
     _ln_bwd_kernel[(G,)](
         dy2, x2, weight if weight is not None else x2, bias if bias is not None else x2,
-        mean, rstd, ds2, dx, dw_part, db_part, M, C,
+        mean, rstd, ds2, dx, parts, M, C,
         dy2.stride(0), x2.stride(0), ds2.stride(0), dx.stride(0),
         HAS_W=weight is not None, HAS_B=bias is not None, HAS_DS=ds is not None,
         GELU=_gelu_code(approximate, dx), ACC=acc_dtype(x), BLOCK_C=block_c,
     )
-    dw = dw_part.sum(0) if weight is not None else None
-    db = db_part.sum(0) if bias is not None else None
-    return dx.view(x.shape), dw, db
+    return dx.view(x.shape), parts.sum(0)

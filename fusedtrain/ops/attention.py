@@ -26,13 +26,15 @@ def _(q, k, v, causal, softmax_scale):
 
 @launcher("attention_bwd")
 def _attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
-                   causal: bool, softmax_scale: float) -> tuple[Tensor, Tensor, Tensor]:
+                   causal: bool, softmax_scale: float) -> Tensor:
+    """(3, B, H, T, D): dq, dk, dv in one buffer (a custom op's outputs may not alias, so
+    the three views are taken by the caller)."""
     return K.attention_bwd(do, q, k, v, o, lse, causal, softmax_scale)
 
 
 @_attention_bwd.register_fake
 def _(do, q, k, v, o, lse, causal, softmax_scale):
-    return q.new_empty(q.shape), q.new_empty(q.shape), q.new_empty(q.shape)
+    return q.new_empty((3, *q.shape))
 
 
 def _attention_flops(q_shape, causal: bool, matmuls: int) -> int:
@@ -65,7 +67,7 @@ class FlashAttentionFunction(torch.autograd.Function):
     def backward(ctx, do: Tensor):
         q, k, v, o, lse = ctx.saved_tensors
         dq, dk, dv = _attention_bwd(
-            do, q, k, v, o, lse, ctx.causal, ctx.softmax_scale)
+            do, q, k, v, o, lse, ctx.causal, ctx.softmax_scale).unbind(0)
         return dq, dk, dv, None, None
 
 

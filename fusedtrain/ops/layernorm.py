@@ -45,26 +45,21 @@ def _(x, residual, weight, bias, eps, approximate, out_dtype, stream_dtype):
 @launcher("layer_norm_bwd")
 def _layer_norm_bwd(dy: Tensor, x: Tensor, weight: Tensor | None, bias: Tensor | None,
                     mean: Tensor, rstd: Tensor, ds: Tensor | None, approximate: str,
-                    dx_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
-    dx, dw, db = K.layer_norm_bwd(dy, x, weight, bias, mean, rstd, ds, approximate or None,
-                                  dx_dtype)
-    def empty():
-        return x.new_empty(0, dtype=mean.dtype)
-
-    return dx, empty() if dw is None else dw, empty() if db is None else db
+                    dx_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    return K.layer_norm_bwd(dy, x, weight, bias, mean, rstd, ds, approximate or None,
+                            dx_dtype)
 
 
 @_layer_norm_bwd.register_fake
 def _(dy, x, weight, bias, mean, rstd, ds, approximate, dx_dtype):
-    C = x.shape[-1]
-    return (x.new_empty(x.shape, dtype=dx_dtype),
-            x.new_empty(C if weight is not None else 0, dtype=mean.dtype),
-            x.new_empty(C if bias is not None else 0, dtype=mean.dtype))
+    return x.new_empty(x.shape, dtype=dx_dtype), x.new_empty((2, x.shape[-1]),
+                                                             dtype=mean.dtype)
 
 
-def _param_grads(dw: Tensor, db: Tensor, weight: Tensor | None, bias: Tensor | None):
-    return (None if weight is None else dw.to(weight.dtype),
-            None if bias is None else db.to(bias.dtype))
+def _param_grads(sums: Tensor, weight: Tensor | None, bias: Tensor | None):
+    """(dW, db) from the backward's (2, C) sums, in the parameters' dtypes."""
+    return (None if weight is None else sums[0].to(weight.dtype),
+            None if bias is None else sums[1].to(bias.dtype))
 
 
 class LayerNormFunction(torch.autograd.Function):
@@ -81,9 +76,9 @@ class LayerNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, weight, bias, mean, rstd = ctx.saved_tensors
-        dx, dw, db = _layer_norm_bwd(
+        dx, sums = _layer_norm_bwd(
             dy, x, weight, bias, mean, rstd, None, ctx.approximate, x.dtype)
-        return (dx, *_param_grads(dw, db, weight, bias), None, None, None)
+        return (dx, *_param_grads(sums, weight, bias), None, None, None)
 
 
 class AddLayerNormFunction(torch.autograd.Function):
@@ -101,10 +96,10 @@ class AddLayerNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, ds):
         s, weight, bias, mean, rstd = ctx.saved_tensors
-        dsum, dw, db = _layer_norm_bwd(
+        dsum, sums = _layer_norm_bwd(
             dy, s, weight, bias, mean, rstd, ds, "", s.dtype)
         dx, dres = (dsum.to(dt) for dt in ctx.dtypes)
-        return (dx, dres, *_param_grads(dw, db, weight, bias), None, None)
+        return (dx, dres, *_param_grads(sums, weight, bias), None, None)
 
 
 def _check(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float,

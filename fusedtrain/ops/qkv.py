@@ -65,6 +65,25 @@ def _same_layout(dq: Tensor, dk: Tensor, dv: Tensor) -> tuple[Tensor, Tensor, Te
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
+def _consecutive(*ts: Tensor) -> bool:
+    """Contiguous tensors of one shape, each starting where the previous one ends."""
+    size = ts[0].numel() * ts[0].element_size()
+    return all(t.is_contiguous() and t.shape == ts[0].shape for t in ts) and all(
+        b.data_ptr() - a.data_ptr() == size for a, b in zip(ts, ts[1:]))
+
+
+def _bias_grad(dq: Tensor, dk: Tensor, dv: Tensor) -> Tensor:
+    """db = [sum of dq | dk | dv over (batch, time)]: (3C,), in the gradients' own dtype as
+    eager's bias gradient is (the reduction accumulates low precision in fp32 either way).
+    One reduction when the three lie one after another in one buffer, as the fused
+    attention backward writes them; otherwise (and under torch.compile, which fuses the
+    reductions itself) three and a concatenation."""
+    if not torch.compiler.is_compiling() and _consecutive(dq, dk, dv):
+        stacked = dq.as_strided((3, *dq.shape), (dq.numel(), *dq.stride()))
+        return stacked.sum((1, 3)).flatten()
+    return torch.cat([g.sum((0, 2)).flatten() for g in (dq, dk, dv)])
+
+
 class QKVProjectionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, n_heads: int):
@@ -78,11 +97,7 @@ class QKVProjectionFunction(torch.autograd.Function):
         dq, dk, dv = _same_layout(dq, dk, dv)
         dx = _qkv_dx(dq, dk, dv, weight)
         dw = _qkv_dw(dq, dk, dv, x)
-        db = None
-        if bias is not None:
-            # In the gradients' own dtype, as eager's bias gradient is (the reduction
-            # accumulates low precision in fp32 either way).
-            db = torch.cat([g.sum((0, 2)).flatten() for g in (dq, dk, dv)]).to(bias.dtype)
+        db = None if bias is None else _bias_grad(dq, dk, dv).to(bias.dtype)
         return dx, dw, db, None
 
 
