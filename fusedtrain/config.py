@@ -29,6 +29,7 @@ class RunConfig:
     throughput_skip_steps: int
     deterministic: bool = False
     tensorboard: bool = False
+    cuda_graph: bool = False
 
 
 def _build(cls, section: str, values: dict):
@@ -64,6 +65,21 @@ def _check_trainer(t: dict) -> None:
         raise ConfigError(f"trainer.limit_val_batches must be >= 0, got {limit!r}")
 
 
+def _check_cuda_graph(trainer: dict, compile: bool) -> None:
+    """cuda_graph=true captures one GPU's training step; say plainly where it cannot."""
+    if compile:
+        raise ConfigError("cuda_graph=true and compile=true are two ways to the same end; "
+                          "choose one")
+    devices = trainer.get("devices", 1)
+    one_device = devices == 1 or (isinstance(devices, list) and len(devices) == 1)
+    if trainer.get("strategy") in ("ddp", "fsdp") or not one_device:
+        raise ConfigError("cuda_graph=true is for one GPU: DDP and FSDP act on each "
+                          "gradient as backward produces it, which a captured backward "
+                          "does not let them do (use trainer=gpu)")
+    if trainer.get("accelerator") == "cpu" or not torch.cuda.is_available():
+        raise ConfigError("cuda_graph=true needs a CUDA GPU")
+
+
 def build_run_config(cfg: DictConfig) -> RunConfig:
     """Validate everything before any work starts."""
     c = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
@@ -79,10 +95,13 @@ def build_run_config(cfg: DictConfig) -> RunConfig:
                                               or not torch.cuda.is_available()):
         raise ConfigError("trainer.strategy=fsdp needs CUDA GPUs (Lightning's FSDP is "
                           "GPU-only); on CPUs use trainer=ddp trainer.accelerator=cpu")
+    cuda_graph = bool(c.get("cuda_graph", False))
+    if cuda_graph:
+        _check_cuda_graph(trainer, bool(c.get("compile", False)))
     skip = c.get("throughput_skip_steps", 5)
     if not isinstance(skip, int) or skip < 0:
         raise ConfigError(f"throughput_skip_steps must be a non-negative integer, got {skip!r}")
     return RunConfig(model=model, data=data, optim=optim, trainer=trainer, seed=int(c["seed"]),
                      compile=bool(c.get("compile", False)), ckpt_path=c.get("ckpt_path"),
                      throughput_skip_steps=skip, deterministic=bool(c.get("deterministic")),
-                     tensorboard=bool(c.get("tensorboard")))
+                     tensorboard=bool(c.get("tensorboard")), cuda_graph=cuda_graph)

@@ -64,12 +64,25 @@ class NonFiniteLossError(RuntimeError):
     """The training loss became NaN or infinite."""
 
 
+class _Loss(torch.nn.Module):
+    """model.loss as a module's forward: what torch.cuda.make_graphed_callables graphs
+    (forward, and backward with respect to the module's parameters)."""
+
+    def __init__(self, model: GPT):
+        super().__init__()
+        self.model = model
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.model.loss(idx, targets)
+
+
 class GPTModule(L.LightningModule):
     def __init__(self, model_cfg: GPTConfig, optim_cfg: OptimConfig, max_steps: int,
-                 compile: bool = False):
+                 compile: bool = False, cuda_graph: bool = False):
         super().__init__()
         self.save_hyperparameters({"model": model_cfg.to_dict(), "optim": vars(optim_cfg),
-                                   "max_steps": max_steps, "compile": compile})
+                                   "max_steps": max_steps, "compile": compile,
+                                   "cuda_graph": cuda_graph})
         self.model_cfg, self.optim_cfg, self.max_steps = model_cfg, optim_cfg, max_steps
         self.model = GPT(model_cfg)
         self.compile = compile
@@ -77,15 +90,41 @@ class GPTModule(L.LightningModule):
         # only forward, not `.loss`); it holds no parameters of its own, so checkpoints
         # hold them once, under `model.`, whether or not the model was compiled.
         self._loss_fn = torch.compile(self.model.loss) if compile else self.model.loss
+        self.cuda_graph = cuda_graph
+        # (batch shape, graphed loss), made at the first training step; a tuple, so that
+        # the graphed module is not registered as a submodule (nor saved in checkpoints).
+        self._graph: tuple[torch.Size, torch.nn.Module] | None = None
         self._pending_check: tuple[int, torch.Tensor, torch.cuda.Event | None] | None = None
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        loss = self._loss_fn(x, y)
+        loss = self._train_loss(x, y)
         previous, self._pending_check = self._pending_check, self._queue_finite_check(loss)
         self._raise_if_non_finite(previous)
-        self.log("train/loss", loss, prog_bar=True, sync_dist=True)  # mean over ranks
+        # A graphed loss lives in the graph's output buffer, which the next step overwrites.
+        logged = loss.detach().clone() if self.cuda_graph else loss
+        self.log("train/loss", logged, prog_bar=True, sync_dist=True)  # mean over ranks
         return loss
+
+    def _train_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if not self.cuda_graph:
+            return self._loss_fn(x, y)
+        if self._graph is None:
+            self._graph = (x.shape, self._capture(x, y))
+        shape, graphed = self._graph
+        # Graphs replay fixed shapes; the loaders drop short batches, so this is a guard.
+        return graphed(x, y) if x.shape == shape else self._loss_fn(x, y)
+
+    def _capture(self, x: torch.Tensor, y: torch.Tensor) -> torch.nn.Module:
+        """The loss's forward and backward captured as two CUDA graphs, after three warm-up
+        runs on a side stream (where Triton compiles and autotunes): each step then
+        replays them, instead of the host issuing every kernel. Autocast's weight-cast
+        cache is off while capturing (cached casts made during capture would be freed
+        while the graph still reads them); the graphs hold the autocast casts themselves."""
+        amp = torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"),
+                             enabled=torch.is_autocast_enabled("cuda"), cache_enabled=False)
+        with amp:
+            return torch.cuda.make_graphed_callables(_Loss(self.model), (x.clone(), y.clone()))
 
     def _queue_finite_check(self, loss: torch.Tensor):
         """Start checking this step's loss without making the host wait for the GPU: the

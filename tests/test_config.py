@@ -56,3 +56,19 @@ def test_per_component_override():
 def test_bad_settings_are_named(override, match):
     with pytest.raises(ConfigError, match=match):
         build_run_config(_compose([override]))
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (["cuda_graph=true", "compile=true"], "choose one"),
+    (["cuda_graph=true", "trainer=ddp"], "one GPU"),
+    (["cuda_graph=true", "trainer.devices=2"], "one GPU"),
+])
+def test_cuda_graph_refuses_what_it_cannot_capture(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        build_run_config(_compose(overrides))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
+def test_cuda_graph_needs_a_gpu():
+    with pytest.raises(ConfigError, match="needs a CUDA GPU"):
+        build_run_config(_compose(["cuda_graph=true"]))
