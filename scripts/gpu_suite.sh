@@ -11,7 +11,23 @@ out=${1:?usage: gpu_suite.sh OUT_DIR [STEP ...]}
 shift
 wanted=" $* "
 mkdir -p "$out"
+out=$(cd "$out" && pwd)
 failed=()
+
+# Triton's autotuning choices are small JSON files in its cache directory, keyed by triton
+# version, GPU target and kernel source. A fresh machine re-benchmarks every config of
+# every kernel (minutes of device time); restore the choices an earlier call saved
+# (.tune-cache/tune-cache.tgz, git-ignored, carried to the device) and save them again
+# at the end (OUT_DIR/tune-cache.tgz).
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
+mkdir -p "$TRITON_CACHE_DIR"
+if [ -f .tune-cache/tune-cache.tgz ]; then
+  tar xzf .tune-cache/tune-cache.tgz -C "$TRITON_CACHE_DIR" && echo "restored autotune choices"
+fi
+save_tuning() {
+  (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' | tar czf "$out/tune-cache.tgz" -T -)
+}
+trap save_tuning EXIT
 
 step() {  # step NAME SECONDS COMMAND...
   local name=$1 limit=$2
