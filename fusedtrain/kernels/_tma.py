@@ -136,6 +136,19 @@ def tma_matmul(a_desc, b_desc, off_m, off_n, k_start, k_len,
 
 
 @device_fn
+def tile_halves(a_desc, b_desc, tile, M, N, K, ACC: tl.constexpr, PRECISION: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                GROUP_M: tl.constexpr, B_TRANS: tl.constexpr = False):
+    """Output tile number `tile` of A @ B over all of K: (off_m, off_n, left, right), the
+    tile's origin and its accumulator's two column halves, for an epilogue run per half."""
+    off_m, off_n = tile_origin(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    acc = tma_matmul(a_desc, b_desc, off_m, off_n, 0, K, ACC, PRECISION,
+                     BLOCK_M, BLOCK_N, BLOCK_K, B_TRANS=B_TRANS)
+    left, right = column_halves(acc, BLOCK_M, BLOCK_N)
+    return off_m, off_n, left, right
+
+
+@device_fn
 def column_halves(acc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """acc[:, :BLOCK_N // 2], acc[:, BLOCK_N // 2:] of a (BLOCK_M, BLOCK_N) tile."""
     return tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))

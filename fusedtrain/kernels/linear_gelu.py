@@ -43,6 +43,7 @@ from fusedtrain.kernels._tma import (
     column_halves,
     launch,
     matrix_desc,
+    tile_halves,
     tile_origin,
     tma_aligned,
     tma_config,
@@ -149,10 +150,8 @@ def _linear_gelu_fwd_tma_kernel(
     h_desc = matrix_desc(h_ptr, M, N, s_hm, BLOCK_M, BLOCK_N // 2)
     tiles = cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N)
     for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=True):
-        off_m, off_n = tile_origin(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-        acc = tma_matmul(x_desc, w_desc, off_m, off_n, 0, K, ACC, PRECISION,
-                         BLOCK_M, BLOCK_N, BLOCK_K, B_TRANS=True)
-        left, right = column_halves(acc, BLOCK_M, BLOCK_N)
+        off_m, off_n, left, right = tile_halves(x_desc, w_desc, tile, M, N, K, ACC, PRECISION,
+                                                BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, B_TRANS=True)
         _bias_gelu_store(left, off_m, off_n, b_ptr, y_desc, h_desc, N,
                          HAS_BIAS, STORE_H, APPROX)
         _bias_gelu_store(right, off_m, off_n + BLOCK_N // 2, b_ptr, y_desc, h_desc, N,
@@ -178,10 +177,8 @@ def _matmul_dgelu_tma_kernel(
     dh_desc = matrix_desc(dh_ptr, M, N, s_dhm, BLOCK_M, BLOCK_N // 2)
     tiles = cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N)
     for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=True):
-        off_m, off_n = tile_origin(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-        acc = tma_matmul(dy_desc, w_desc, off_m, off_n, 0, K, ACC, PRECISION,
-                         BLOCK_M, BLOCK_N, BLOCK_K)
-        left, right = column_halves(acc, BLOCK_M, BLOCK_N)
+        off_m, off_n, left, right = tile_halves(dy_desc, w_desc, tile, M, N, K, ACC, PRECISION,
+                                                BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
         _dgelu_store(left, off_m, off_n, h_desc, dh_desc, APPROX)
         _dgelu_store(right, off_m, off_n + BLOCK_N // 2, h_desc, dh_desc, APPROX)
 
