@@ -66,16 +66,20 @@ def _check_trainer(t: dict) -> None:
 
 
 def _check_cuda_graph(trainer: dict, compile: bool) -> None:
-    """cuda_graph=true captures one GPU's training step; say plainly where it cannot."""
+    """cuda_graph=true captures each GPU's training step; say plainly where it cannot."""
     if compile:
         raise ConfigError("cuda_graph=true and compile=true are two ways to the same end; "
                           "choose one")
+    strategy = trainer.get("strategy")
+    if strategy == "fsdp":
+        raise ConfigError("cuda_graph=true cannot capture FSDP's step: FSDP gathers and "
+                          "frees parameter shards inside forward and backward (use "
+                          "trainer=ddp or trainer=gpu)")
     devices = trainer.get("devices", 1)
     one_device = devices == 1 or (isinstance(devices, list) and len(devices) == 1)
-    if trainer.get("strategy") in ("ddp", "fsdp") or not one_device:
-        raise ConfigError("cuda_graph=true is for one GPU: DDP and FSDP act on each "
-                          "gradient as backward produces it, which a captured backward "
-                          "does not let them do (use trainer=gpu)")
+    if not one_device and strategy != "ddp":
+        raise ConfigError("cuda_graph=true on several devices needs trainer=ddp (each rank "
+                          "replays its own step; DDP all-reduces the gradients after it)")
     if trainer.get("accelerator") == "cpu" or not torch.cuda.is_available():
         raise ConfigError("cuda_graph=true needs a CUDA GPU")
 
@@ -91,13 +95,13 @@ def build_run_config(cfg: DictConfig) -> RunConfig:
     if not isinstance(max_steps, int) or max_steps <= 0:
         raise ConfigError(f"trainer.max_steps must be a positive integer, got {max_steps!r}")
     _check_trainer(trainer)
+    cuda_graph = bool(c.get("cuda_graph", False))
+    if cuda_graph:
+        _check_cuda_graph(trainer, bool(c.get("compile", False)))
     if trainer.get("strategy") == "fsdp" and (trainer.get("accelerator") == "cpu"
                                               or not torch.cuda.is_available()):
         raise ConfigError("trainer.strategy=fsdp needs CUDA GPUs (Lightning's FSDP is "
                           "GPU-only); on CPUs use trainer=ddp trainer.accelerator=cpu")
-    cuda_graph = bool(c.get("cuda_graph", False))
-    if cuda_graph:
-        _check_cuda_graph(trainer, bool(c.get("compile", False)))
     skip = c.get("throughput_skip_steps", 5)
     if not isinstance(skip, int) or skip < 0:
         raise ConfigError(f"throughput_skip_steps must be a non-negative integer, got {skip!r}")

@@ -60,8 +60,8 @@ def test_bad_settings_are_named(override, match):
 
 @pytest.mark.parametrize("overrides,match", [
     (["cuda_graph=true", "compile=true"], "choose one"),
-    (["cuda_graph=true", "trainer=ddp"], "one GPU"),
-    (["cuda_graph=true", "trainer.devices=2"], "one GPU"),
+    (["cuda_graph=true", "trainer=fsdp"], "cannot capture FSDP"),
+    (["cuda_graph=true", "trainer.devices=2"], "needs trainer=ddp"),
 ])
 def test_cuda_graph_refuses_what_it_cannot_capture(overrides, match):
     with pytest.raises(ConfigError, match=match):

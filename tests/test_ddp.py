@@ -105,6 +105,23 @@ def test_two_gpu_ddp_scales_and_fsdp_shards(tmp_path):
     assert fsdp["peak_mem_GiB"] < ddp["peak_mem_GiB"]
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_two_gpu_ddp_with_graphed_steps(tmp_path):
+    """cuda_graph=true under DDP: each rank replays its captured step and DDP all-reduces
+    the gradients after the replayed backward; it must train like plain DDP."""
+    single = _gpt2_summary(tmp_path / "single-graph", tmp_path, "trainer=gpu", "cuda_graph=true")
+    ddp = _gpt2_summary(tmp_path / "ddp-graph", tmp_path, "trainer=ddp", "cuda_graph=true")
+    plain = _gpt2_summary(tmp_path / "ddp-plain", tmp_path, "trainer=ddp")
+    efficiency = ddp["tokens_per_s"] / (2 * single["tokens_per_s"])
+    print(f"graphed: one GPU {single['tokens_per_s']:.0f}, DDP {ddp['tokens_per_s']:.0f} "
+          f"tokens/s (efficiency {efficiency:.3f}); plain DDP {plain['tokens_per_s']:.0f}")
+    assert ddp["devices"] == 2
+    assert ddp["train_loss"] == pytest.approx(plain["train_loss"], abs=2e-2)
+    assert ddp["val_loss"] == pytest.approx(plain["val_loss"], abs=2e-2)
+    assert efficiency >= 0.90
+
+
 def test_fused_ops_refuse_dtensors_by_name():
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
