@@ -105,3 +105,19 @@ def test_bias_gradient_in_one_reduction_when_the_gradients_share_a_buffer():
     expected = torch.cat([g.sum((0, 2)).flatten() for g in (dq, dk, dv)])
     torch.testing.assert_close(_bias_grad(dq, dk, dv), expected)
     torch.testing.assert_close(_bias_grad(dq, dk, apart), expected)
+
+
+def test_back_to_back_allocations_are_not_one_buffer():
+    """Three gradients allocated separately can lie back to back in memory (the caching
+    allocator does this on the GPU); one view over them would reach past the first one's
+    storage. Here: three storages over adjacent slices of one host buffer."""
+    from fusedtrain.ops.qkv import _bias_grad, _consecutive
+
+    shape, n = (2, 3, 5, 4), 2 * 3 * 5 * 4
+    memory = bytearray(torch.randn(3 * n, dtype=torch.float64).numpy().tobytes())
+    dq, dk, dv = (torch.frombuffer(memory, dtype=torch.float64, count=n, offset=8 * n * i)
+                  .view(shape) for i in range(3))
+    assert dk.data_ptr() - dq.data_ptr() == 8 * n
+    assert not _consecutive(dq, dk, dv)
+    expected = torch.cat([g.sum((0, 2)).flatten() for g in (dq, dk, dv)])
+    torch.testing.assert_close(_bias_grad(dq, dk, dv), expected)

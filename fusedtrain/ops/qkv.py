@@ -66,9 +66,13 @@ def _same_layout(dq: Tensor, dk: Tensor, dv: Tensor) -> tuple[Tensor, Tensor, Te
 
 
 def _consecutive(*ts: Tensor) -> bool:
-    """Contiguous tensors of one shape, each starting where the previous one ends."""
+    """Contiguous tensors of one shape in one storage, each starting where the previous one
+    ends. (Separate allocations can also lie back to back; a view over them would reach
+    past the first one's storage.)"""
     size = ts[0].numel() * ts[0].element_size()
-    return all(t.is_contiguous() and t.shape == ts[0].shape for t in ts) and all(
+    storage = ts[0].untyped_storage().data_ptr()
+    return all(t.is_contiguous() and t.shape == ts[0].shape
+               and t.untyped_storage().data_ptr() == storage for t in ts) and all(
         b.data_ptr() - a.data_ptr() == size for a, b in zip(ts, ts[1:]))
 
 
