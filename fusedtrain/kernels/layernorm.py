@@ -33,19 +33,30 @@ MAX_C = 65536
 
 
 def _row_tiles(configs: list[triton.Config], named_args: dict, BLOCK_C: int, **_):
-    """The (BLOCK_M rows, num_warps) candidates for rows of BLOCK_C (C padded): tiles of
-    2K-16K elements with 8-32 elements per thread on a GPU (one row of 16 warps past
-    that); under the interpreter, whose cost is per program, one tile of up to 64K."""
+    """The (BLOCK_M rows, num_warps[, LOOP_STAGES]) candidates for rows of BLOCK_C (C
+    padded): tiles of 2K-16K elements with 8-32 elements per thread on a GPU (one row of
+    16 warps past that), a pipelined row loop only for tiles of up to 8K elements (its
+    loads are buffered in shared memory); under the interpreter, whose cost is per
+    program, one tile of up to 64K."""
+    looped = "LOOP_STAGES" in configs[0].kwargs
     if INTERPRET:
-        return [triton.Config({"BLOCK_M": max(1, min(64, (1 << 16) // BLOCK_C))})]
+        rows = {"BLOCK_M": max(1, min(64, (1 << 16) // BLOCK_C))}
+        return [triton.Config({**rows, "LOOP_STAGES": 1} if looped else rows)]
     fit = [c for c in configs
            if 2048 <= c.kwargs["BLOCK_M"] * BLOCK_C <= 16384
-           and 8 <= c.kwargs["BLOCK_M"] * BLOCK_C // (32 * c.num_warps) <= 32]
-    return fit or [triton.Config({"BLOCK_M": 1}, num_warps=16)]
+           and 8 <= c.kwargs["BLOCK_M"] * BLOCK_C // (32 * c.num_warps) <= 32
+           and (c.kwargs.get("LOOP_STAGES", 1) == 1 or c.kwargs["BLOCK_M"] * BLOCK_C <= 8192)]
+    one_row = {"BLOCK_M": 1, "LOOP_STAGES": 1} if looped else {"BLOCK_M": 1}
+    return fit or [triton.Config(one_row, num_warps=16)]
 
 
 ROW_CONFIGS = [triton.Config({"BLOCK_M": m}, num_warps=w)
                for m in (1, 2, 4, 8, 16) for w in (4, 8, 16)]
+# The backward's persistent loop over row tiles, also with its loads issued 3 tiles ahead
+# (tl.range's num_stages pipelines loads that feed no dot, which a kernel's num_stages
+# does not).
+LOOP_CONFIGS = [triton.Config({**c.kwargs, "LOOP_STAGES": s}, num_warps=c.num_warps)
+                for c in ROW_CONFIGS for s in (1, 3)]
 
 
 @cached_autotune(ROW_CONFIGS, key=["C", "HAS_RES", "GELU"], prune=_row_tiles)
@@ -80,13 +91,14 @@ def _ln_fwd_kernel(
     tl.store(rstd_ptr + rows, rstd.to(rstd_ptr.dtype.element_ty), mask=row_ok)
 
 
-@cached_autotune(ROW_CONFIGS, key=["C", "HAS_DS", "GELU"], prune=_row_tiles)
+@cached_autotune(LOOP_CONFIGS, key=["C", "HAS_DS", "GELU"], prune=_row_tiles)
 @triton.jit
 def _ln_bwd_kernel(
     dy_ptr, x_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, ds_ptr, dx_ptr, part_ptr,
     M, C, s_dy, s_x, s_ds, s_dx,
     HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_DS: tl.constexpr, GELU: tl.constexpr,
     ACC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
+    LOOP_STAGES: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_progs = tl.num_programs(0)
@@ -100,7 +112,7 @@ def _ln_bwd_kernel(
         b = tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(ACC)
     dw_acc = tl.full((BLOCK_C,), 0.0, ACC)
     db_acc = tl.full((BLOCK_C,), 0.0, ACC)
-    for start in range(pid * BLOCK_M, M, n_progs * BLOCK_M):
+    for start in tl.range(pid * BLOCK_M, M, n_progs * BLOCK_M, num_stages=LOOP_STAGES):
         rows = start + tl.arange(0, BLOCK_M)
         row_ok = rows < M
         mask = row_ok[:, None] & col_ok[None, :]
