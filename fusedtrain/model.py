@@ -109,30 +109,46 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """idx: (B, T) token ids -> logits: (B, T, vocab_size)."""
-        B, T = idx.shape
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        """idx: (B, T) token ids -> the residual stream (B, T, C)."""
+        T = idx.shape[1]
         if self.config.block_size < T:
             raise ValueError(
                 f"sequence length {T} exceeds model.block_size {self.config.block_size}"
             )
         tr = self.transformer
         pos = torch.arange(T, device=idx.device)
-        stream = tr.drop(tr.wte(idx) + tr.wpe(pos))
-        delta = None
-        for block in tr.h:
-            stream, delta = block(stream, delta)
-        x, _ = tr.ln_f(stream, delta)
-        return F.linear(x, tr.wte.weight)  # head tied to the token embedding
+        return tr.drop(tr.wte(idx) + tr.wpe(pos))
 
-    def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross-entropy.  idx, targets: (B, T)."""
+    def logits(self, stream: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
+        """The last block's stream and delta (B, T, C) -> logits (B, T, vocab_size)."""
+        x, _ = self.transformer.ln_f(stream, delta)
+        return F.linear(x, self.transformer.wte.weight)  # head tied to the token embedding
+
+    def head_loss(self, stream: torch.Tensor, delta: torch.Tensor | None,
+                  targets: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy from the last block's stream and delta."""
+        logits = self.logits(stream, delta)
         if self.config.kernels["cross_entropy"]:
             from fusedtrain import ops
 
             # The logits are this function's own: backward may overwrite them.
-            return ops.cross_entropy(self(idx), targets, inplace_backward=True)
-        return eager.cross_entropy(self(idx), targets)
+            return ops.cross_entropy(logits, targets, inplace_backward=True)
+        return eager.cross_entropy(logits, targets)
+
+    def _trunk(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        stream, delta = self.embed(idx), None
+        for block in self.transformer.h:
+            stream, delta = block(stream, delta)
+        return stream, delta
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """idx: (B, T) token ids -> logits: (B, T, vocab_size)."""
+        return self.logits(*self._trunk(idx))
+
+    def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy.  idx, targets: (B, T)."""
+        return self.head_loss(*self._trunk(idx), targets)
 
     @classmethod
     def from_pretrained(cls, path: str, kernels: dict[str, bool] | None = None,

@@ -64,16 +64,52 @@ class NonFiniteLossError(RuntimeError):
     """The training loss became NaN or infinite."""
 
 
-class _Loss(torch.nn.Module):
-    """model.loss as a module's forward: what torch.cuda.make_graphed_callables graphs
-    (forward, and backward with respect to the module's parameters)."""
+class _Stage(torch.nn.Module):
+    """One piece of the loss for torch.cuda.make_graphed_callables: `fn`, with the
+    modules whose parameters it uses registered here, so that the piece's graph takes
+    those parameters as inputs and returns their gradients."""
 
-    def __init__(self, model: GPT):
+    def __init__(self, fn, *modules: torch.nn.Module):
         super().__init__()
-        self.model = model
+        self.fn = fn
+        self.parts = torch.nn.ModuleList(modules)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return self.model.loss(idx, targets)
+    def forward(self, *args: torch.Tensor):
+        return self.fn(*args)
+
+
+class _GraphedLoss:
+    """model.loss as a chain of CUDA graphs: the embedding, each block, the head and
+    loss. Each piece's backward is its own graph, so the gradients of a block reach
+    autograd (and DDP's all-reduce hooks) as soon as that block's backward has run,
+    while earlier blocks' backward graphs still replay: communication overlaps compute."""
+
+    def __init__(self, model: GPT, idx: torch.Tensor, targets: torch.Tensor):
+        tr = model.transformer
+        first, *rest = tr.h
+        stages = [_Stage(model.embed, tr.wte, tr.wpe),
+                  _Stage(lambda stream: first(stream, None), first),
+                  *(_Stage(block, block) for block in rest),
+                  _Stage(model.head_loss, tr.ln_f, tr.wte)]
+        # Sample inputs of each piece: what it receives in a real step (shapes, dtypes
+        # under autocast), as leaves that require grad where the real ones do.
+        samples, inputs = [], (idx,)
+        with torch.no_grad():
+            for stage in stages[:-1]:
+                samples.append(inputs)
+                out = stage(*inputs)
+                inputs = out if isinstance(out, tuple) else (out,)
+        samples.append((*inputs, targets))
+        samples = [tuple(t.detach().clone().requires_grad_(t.is_floating_point()) for t in s)
+                   for s in samples]
+        self.stages = torch.cuda.make_graphed_callables(tuple(stages), tuple(samples))
+
+    def __call__(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        embed, first, *blocks, head = self.stages
+        stream, delta = first(embed(idx))
+        for block in blocks:
+            stream, delta = block(stream, delta)
+        return head(stream, delta, targets)
 
 
 class GPTModule(L.LightningModule):
@@ -92,8 +128,8 @@ class GPTModule(L.LightningModule):
         self._loss_fn = torch.compile(self.model.loss) if compile else self.model.loss
         self.cuda_graph = cuda_graph
         # (batch shape, graphed loss), made at the first training step; a tuple, so that
-        # the graphed module is not registered as a submodule (nor saved in checkpoints).
-        self._graph: tuple[torch.Size, torch.nn.Module] | None = None
+        # the graphed pieces are not registered as submodules (nor saved in checkpoints).
+        self._graph: tuple[torch.Size, _GraphedLoss] | None = None
         self._pending_check: tuple[int, torch.Tensor, torch.cuda.Event | None] | None = None
 
     def training_step(self, batch, batch_idx):
@@ -115,16 +151,17 @@ class GPTModule(L.LightningModule):
         # Graphs replay fixed shapes; the loaders drop short batches, so this is a guard.
         return graphed(x, y) if x.shape == shape else self._loss_fn(x, y)
 
-    def _capture(self, x: torch.Tensor, y: torch.Tensor) -> torch.nn.Module:
-        """The loss's forward and backward captured as two CUDA graphs, after three warm-up
-        runs on a side stream (where Triton compiles and autotunes): each step then
-        replays them, instead of the host issuing every kernel. Autocast's weight-cast
-        cache is off while capturing (cached casts made during capture would be freed
-        while the graph still reads them); the graphs hold the autocast casts themselves."""
+    def _capture(self, x: torch.Tensor, y: torch.Tensor) -> _GraphedLoss:
+        """The loss's forward and backward captured as CUDA graphs, a pair per piece
+        (embedding, block, head), after three warm-up runs on a side stream (where Triton
+        compiles and autotunes): each step then replays them, instead of the host
+        issuing every kernel. Autocast's weight-cast cache is off while capturing
+        (cached casts made during capture would be freed while the graphs still read
+        them); the graphs hold the autocast casts themselves."""
         amp = torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"),
                              enabled=torch.is_autocast_enabled("cuda"), cache_enabled=False)
         with amp:
-            return torch.cuda.make_graphed_callables(_Loss(self.model), (x.clone(), y.clone()))
+            return _GraphedLoss(self.model, x.clone(), y.clone())
 
     def _queue_finite_check(self, loss: torch.Tensor):
         """Start checking this step's loss without making the host wait for the GPU: the
@@ -183,18 +220,32 @@ class GPTModule(L.LightningModule):
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None,
                                     gradient_clip_algorithm=None) -> None:
-        """Norm clipping under FSDP through the root FSDP module, which reduces the norm
-        over every rank's shard (Lightning's FSDP precision plugin refuses norm clipping,
-        and a per-rank torch.nn.utils.clip_grad_norm_ would see only its own shard)."""
+        """Clipping done here, not by Lightning's precision plugin: the plugin refuses
+        optimizers that unscale internally, AdamW(fused=True) among them, though bf16
+        and fp32 gradients need no unscaling (fused is not used under fp16 loss
+        scaling). Under FSDP the norm goes through the root FSDP module, which reduces it
+        over every rank's shard (a per-rank clip_grad_norm_ would see only its own)."""
+        if not gradient_clip_val:
+            return
+        grads = [p for p in self.parameters() if p.grad is not None]
+        if gradient_clip_algorithm == "value":
+            torch.nn.utils.clip_grad_value_(grads, gradient_clip_val)
+            return
         if torch.distributed.is_available():
             from torch.distributed.fsdp import FullyShardedDataParallel
 
             root = self.trainer.strategy.model
-            if (isinstance(root, FullyShardedDataParallel) and gradient_clip_val
-                    and gradient_clip_algorithm in (None, "norm")):
+            if isinstance(root, FullyShardedDataParallel):
                 root.clip_grad_norm_(gradient_clip_val)
                 return
-        self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+        torch.nn.utils.clip_grad_norm_(grads, gradient_clip_val)
+
+    def _fused_adamw(self) -> bool:
+        """One fused kernel per parameter group on CUDA (foreach AdamW makes ~8 passes
+        over the fp32 state); not under fp16 loss scaling, where the gradients are
+        unscaled inside the fused step, after clipping would have seen them scaled."""
+        on_cuda = all(p.is_cuda for p in self.model.parameters())
+        return on_cuda and str(self.trainer.precision) != "16-mixed"
 
     def configure_optimizers(self):
         o = self.optim_cfg
@@ -206,7 +257,7 @@ class GPTModule(L.LightningModule):
         opt = torch.optim.AdamW(
             [{"params": decay, "weight_decay": o.weight_decay},
              {"params": no_decay, "weight_decay": 0.0}],
-            lr=o.lr, betas=(o.beta1, o.beta2),  # foreach: Lightning clips gradients
+            lr=o.lr, betas=(o.beta1, o.beta2), fused=self._fused_adamw(),
         )
         sched = torch.optim.lr_scheduler.LambdaLR(
             opt, lambda s: lr_multiplier(s, o.warmup_steps, self.max_steps, o.min_lr_ratio)

@@ -1,0 +1,86 @@
+"""GPTModule's own gradient clipping and optimizer choice (Lightning's are bypassed)."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from fusedtrain.model import GPT, GPTConfig
+from fusedtrain.module import GPTModule, OptimConfig
+
+
+def _module_with_grads(precision: str = "32-true") -> GPTModule:
+    cfg = GPTConfig(block_size=16, vocab_size=64, n_layer=1, n_head=2, n_embd=16)
+    module = GPTModule(cfg, OptimConfig(), max_steps=10)
+    module.trainer = SimpleNamespace(strategy=SimpleNamespace(model=module), precision=precision)
+    idx = torch.randint(0, 64, (2, 16))
+    (module.model.loss(idx, idx) * 1e3).backward()
+    return module
+
+
+def _grad_norm(module: GPTModule) -> float:
+    return torch.linalg.vector_norm(
+        torch.stack([p.grad.norm() for p in module.parameters()])).item()
+
+
+def test_norm_clipping_scales_the_gradients_to_the_limit():
+    module = _module_with_grads()
+    assert _grad_norm(module) > 1.0
+    module.configure_gradient_clipping(None, gradient_clip_val=1.0)
+    assert _grad_norm(module) == pytest.approx(1.0, rel=1e-4)
+
+
+def test_value_clipping_and_no_clipping():
+    module = _module_with_grads()
+    before = [p.grad.clone() for p in module.parameters()]
+    module.configure_gradient_clipping(None, gradient_clip_val=None)
+    assert all(torch.equal(a, p.grad) for a, p in zip(before, module.parameters()))
+    module.configure_gradient_clipping(None, gradient_clip_val=0.01,
+                                       gradient_clip_algorithm="value")
+    assert max(p.grad.abs().max().item() for p in module.parameters()) <= 0.01
+
+
+def test_fused_adamw_only_on_cuda_and_never_under_fp16_scaling():
+    module = _module_with_grads()
+    assert not module._fused_adamw()  # CPU parameters
+    if torch.cuda.is_available():
+        module.cuda()
+        assert module._fused_adamw()
+        module.trainer.precision = "16-mixed"
+        assert not module._fused_adamw()
+
+
+def test_the_graphed_pieces_chain_to_the_model_loss(monkeypatch):
+    """cuda_graph=true's chain of pieces (embedding, blocks, head) computes model.loss and
+    its gradients. On CPU the graphing itself is left out (identity); the GPU test
+    (tests/test_cuda_graph.py) trains with the real graphs."""
+    from fusedtrain.module import _GraphedLoss
+
+    captured = {}
+
+    def identity(stages, samples):
+        captured["samples"] = samples
+        captured["stages"] = stages
+        return stages
+
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", identity)
+    cfg = GPTConfig(block_size=16, vocab_size=64, n_layer=3, n_head=2, n_embd=16)
+    model = GPT(cfg)
+    idx, targets = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
+    graphed = _GraphedLoss(model, idx, targets)
+    # embedding, first block (stream only), two blocks (stream, delta), head (+ targets)
+    assert [len(s) for s in captured["samples"]] == [1, 1, 2, 2, 3]
+    assert [t.requires_grad for t in captured["samples"][-1]] == [True, True, False]
+    # A graph returns gradients only for the parameters its piece registers: every
+    # parameter must be registered by the pieces that use it (the tied wte by two).
+    registered = [{id(p) for p in stage.parameters()} for stage in captured["stages"]]
+    assert set().union(*registered) == {id(p) for p in model.parameters()}
+    wte = id(model.transformer.wte.weight)
+    assert wte in registered[0] and wte in registered[-1]
+
+    loss = graphed(idx, targets)
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    expected = model.loss(idx, targets)
+    torch.testing.assert_close(loss, expected)
+    for g, e in zip(grads, torch.autograd.grad(expected, list(model.parameters()))):
+        torch.testing.assert_close(g, e)
