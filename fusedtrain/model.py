@@ -94,6 +94,8 @@ class GPT(nn.Module):
             ln_f=ResidualLayerNorm(cfg.n_embd, cfg.kernels["layernorm"], cfg.bias),
         ))
         self.apply(self._init_weights)
+        self._param_counts = (sum(p.numel() for p in self.parameters()),
+                              self.transformer.wpe.weight.numel())
         # GPT-2: residual projections scaled by 1/sqrt(2L) so the stream's variance
         # does not grow with depth.
         for name, p in self.named_parameters():
@@ -168,11 +170,10 @@ class GPT(nn.Module):
 
     def num_params(self, non_embedding: bool = True) -> int:
         """Parameter count; with non_embedding, position embeddings are left out
-        (the token embedding stays: it is the head's weight too)."""
-        n = sum(p.numel() for p in self.parameters())
-        if non_embedding:
-            n -= self.transformer.wpe.weight.numel()
-        return n
+        (the token embedding stays: it is the head's weight too). Counted when the model
+        was built: FSDP later leaves each rank only its shard of the parameters."""
+        n, wpe = self._param_counts
+        return n - wpe if non_embedding else n
 
     def flops_per_token(self, seq_len: int | None = None) -> float:
         """Training flops per token: 6N + 12 * L * H * Dh * T (PaLM appendix B)."""

@@ -29,6 +29,15 @@ def test_residual_projection_init_is_scaled():
     assert abs(std - 0.02 / (2 * 8) ** 0.5) < 0.002
 
 
+def test_parameter_count_survives_sharding():
+    """FSDP replaces each rank's parameters by flat shards; MFU must still count the model."""
+    model = GPT(GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=2, n_embd=16))
+    full = model.num_params()
+    for p in model.parameters():
+        p.data = p.data.flatten()[: p.numel() // 2]
+    assert model.num_params() == full
+
+
 def test_flops_per_token():
     model = GPT(GPTConfig(**TINY))
     expected = 6 * model.num_params() + 12 * 2 * 32 * 32
