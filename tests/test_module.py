@@ -84,3 +84,30 @@ def test_the_graphed_pieces_chain_to_the_model_loss(monkeypatch):
     torch.testing.assert_close(loss, expected)
     for g, e in zip(grads, torch.autograd.grad(expected, list(model.parameters()))):
         torch.testing.assert_close(g, e)
+
+
+def test_graphed_training_loss_is_captured_once_and_falls_back_on_other_shapes(monkeypatch):
+    """GPTModule with cuda_graph=True: the first step captures, later steps of that batch
+    shape replay the same pieces, another shape runs the plain loss (graphing is identity
+    here, as above)."""
+    import fusedtrain.module as module_mod
+
+    captures = []
+
+    def identity(stages, samples):
+        captures.append(len(stages))
+        return stages
+
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", identity)
+    cfg = GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=2, n_embd=16)
+    module = GPTModule(cfg, OptimConfig(), max_steps=10, cuda_graph=True)
+    x = torch.randint(0, 64, (2, 16))
+    first = module._train_loss(x, x)
+    again = module._train_loss(x, x)
+    assert captures == [4]  # embedding, two blocks, head: captured once
+    assert isinstance(module._graph[1], module_mod._GraphedLoss)
+    torch.testing.assert_close(first, again)
+    torch.testing.assert_close(first, module.model.loss(x, x))
+    short = torch.randint(0, 64, (1, 16))
+    torch.testing.assert_close(module._train_loss(short, short), module.model.loss(short, short))
+    assert captures == [4]
