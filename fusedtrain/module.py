@@ -227,18 +227,18 @@ class GPTModule(L.LightningModule):
         over every rank's shard (a per-rank clip_grad_norm_ would see only its own)."""
         if not gradient_clip_val:
             return
-        grads = [p for p in self.parameters() if p.grad is not None]
-        if gradient_clip_algorithm == "value":
-            torch.nn.utils.clip_grad_value_(grads, gradient_clip_val)
-            return
-        if torch.distributed.is_available():
+        if gradient_clip_algorithm != "value" and torch.distributed.is_available():
             from torch.distributed.fsdp import FullyShardedDataParallel
 
             root = self.trainer.strategy.model
             if isinstance(root, FullyShardedDataParallel):
                 root.clip_grad_norm_(gradient_clip_val)
                 return
-        torch.nn.utils.clip_grad_norm_(grads, gradient_clip_val)
+        grads = [p for p in self.parameters() if p.grad is not None]
+        if gradient_clip_algorithm == "value":
+            torch.nn.utils.clip_grad_value_(grads, gradient_clip_val)
+        else:
+            torch.nn.utils.clip_grad_norm_(grads, gradient_clip_val)
 
     def _fused_adamw(self) -> bool:
         """One fused kernel per parameter group on CUDA (foreach AdamW makes ~8 passes
