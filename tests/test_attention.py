@@ -41,6 +41,20 @@ def test_strided_inputs():
     torch.testing.assert_close(ops.flash_attention(q, k, v), eager.flash_attention(q, k, v))
 
 
+def test_output_merges_heads_without_a_copy():
+    """o is stored (B, T, H, D): the output projection's (B, T, C) input is a view of it,
+    and gradients arriving through that view (strided dO) are still right."""
+    q, k, v = (t.detach().requires_grad_() for t in _qkv(2, 3, 21, 16))
+    o = ops.flash_attention(q, k, v)
+    merged = o.transpose(1, 2).reshape(2, 21, 48)
+    assert merged.data_ptr() == o.data_ptr() and merged.is_contiguous()
+    g = torch.randn_like(merged)
+    grads = torch.autograd.grad(merged, (q, k, v), g)
+    ref = eager.flash_attention(q, k, v).transpose(1, 2).reshape(2, 21, 48)
+    for a, b in zip(grads, torch.autograd.grad(ref, (q, k, v), g)):
+        torch.testing.assert_close(a, b)
+
+
 def test_softmax_scale():
     q, k, v = (t.detach() for t in _qkv(1, 1, 9, 16))
     torch.testing.assert_close(ops.flash_attention(q, k, v, False, 0.3),

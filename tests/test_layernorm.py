@@ -46,6 +46,28 @@ def test_fp32_accuracy_large_mean(C, op):
     check_against_oracle(getattr(ops, op), getattr(eager, op), inputs, 1e-5, 1e-3, op)
 
 
+def test_add_layer_norm_mixed_dtypes_under_autocast():
+    """The model's case: a bf16 sublayer output added onto the fp32 residual stream. Each
+    input gets the gradient in its own dtype, both written by the one backward pass."""
+    x = torch.randn(2, 37, 96).bfloat16().requires_grad_()
+    r = torch.randn(2, 37, 96, requires_grad=True)
+    w, b = (t.detach().float().requires_grad_() for t in _inputs((96,))[1:])
+    dy, ds = torch.randn(2, 37, 96), torch.randn(2, 37, 96)
+    grads = {}
+    for name, fn in (("fused", ops.add_layer_norm), ("eager", eager.add_layer_norm)):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y, s = fn(x, r, w, b)
+        assert s.dtype == torch.float32
+        grads[name] = torch.autograd.grad((y.float() * dy).sum() + (s * ds).sum(), (x, r))
+    (dx, dr), (dx_ref, dr_ref) = grads["fused"], grads["eager"]
+    assert (dx.dtype, dr.dtype) == (dx_ref.dtype, dr_ref.dtype) == (torch.bfloat16,
+                                                                    torch.float32)
+    torch.testing.assert_close(dr, dr_ref, atol=1e-2, rtol=1e-2)
+    # One gradient in two dtypes: equal up to the last bf16 bit (Triton's interpreter
+    # truncates where the GPU rounds to nearest).
+    torch.testing.assert_close(dx.float(), dr, atol=0, rtol=2 ** -7)
+
+
 def test_compile_fullgraph_matches_eager():
     x, w, b = (t.detach().float().requires_grad_() for t in _inputs((4, 9, 24)))
     r = torch.randn(4, 9, 24, requires_grad=True)

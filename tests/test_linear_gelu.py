@@ -109,9 +109,13 @@ def test_tma_and_pointer_gemms_agree_with_the_oracle(strided):
     h_ref = x @ w.t() + b
     torch.testing.assert_close(h, h_ref)
     torch.testing.assert_close(y, torch.nn.functional.gelu(h_ref, approximate="tanh"))
-    dh = K.matmul_dgelu(dy, w2, h, "none", config=small)
+    dy_in = dy.t().contiguous().t() if strided else dy  # the pointer kernel for a strided dy
+    dh, db = K.matmul_dgelu(dy_in, w2, h, "none", bias_grad=True, config=small)
     gelu_grad = torch.func.grad(lambda t: torch.nn.functional.gelu(t).sum())
-    torch.testing.assert_close(dh, (dy @ w2) * torch.vmap(gelu_grad)(h))
+    dh_ref = (dy @ w2) * torch.vmap(gelu_grad)(h)
+    torch.testing.assert_close(dh, dh_ref)
+    torch.testing.assert_close(db, dh_ref.sum(0))
+    assert K.matmul_dgelu(dy_in, w2, h, "none", config=small)[1] is None
     dw2 = K.matmul_gelu_rhs(x, h, "none", splits=3, config=small)
     torch.testing.assert_close(dw2, x.t() @ torch.nn.functional.gelu(h))
 

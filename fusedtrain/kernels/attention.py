@@ -318,9 +318,11 @@ def _common_args(q: torch.Tensor, softmax_scale: float):
 
 def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                   softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """q, k, v: (B, H, T, D) -> o: (B, H, T, D) contiguous, lse2: (B, H, T) fp32 (fp64)."""
+    """q, k, v: (B, H, T, D) -> o: (B, H, T, D), lse2: (B, H, T) fp32 (fp64).
+
+    o is laid out as (B, T, H, D) (see output_buffer)."""
     B, H, T, D, block_d, acc, qk_scale = _common_args(q, softmax_scale)
-    o = torch.empty((B, H, T, D), device=q.device, dtype=q.dtype)
+    o = output_buffer(q)
     lse = torch.empty((B, H, T), device=q.device,
                       dtype=stat_dtype(q))
     grid = lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * H)  # noqa: E731
@@ -330,6 +332,14 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
         CAUSAL=causal, ACC=acc, PRECISION=dot_precision(q), BLOCK_D=block_d,
     )
     return o, lse
+
+
+def output_buffer(q: torch.Tensor) -> torch.Tensor:
+    """An uninitialised (B, H, T, D) output stored as (B, T, H, D): heads merged back into
+    (B, T, C) by o.transpose(1, 2).reshape(B, T, C), what the output projection reads, is
+    then a view instead of a copy."""
+    B, H, T, D = q.shape
+    return torch.empty((B, T, H, D), device=q.device, dtype=q.dtype).transpose(1, 2)
 
 
 def attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -91,12 +91,13 @@ def _ln_fwd_kernel(
     tl.store(rstd_ptr + rows, rstd.to(rstd_ptr.dtype.element_ty), mask=row_ok)
 
 
-@cached_autotune(LOOP_CONFIGS, key=["C", "HAS_DS", "GELU"], prune=_row_tiles)
+@cached_autotune(LOOP_CONFIGS, key=["C", "HAS_DS", "HAS_DX2", "GELU"], prune=_row_tiles)
 @triton.jit
 def _ln_bwd_kernel(
-    dy_ptr, x_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, ds_ptr, dx_ptr, part_ptr,
-    M, C, s_dy, s_x, s_ds, s_dx,
-    HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_DS: tl.constexpr, GELU: tl.constexpr,
+    dy_ptr, x_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, ds_ptr, dx_ptr, dx2_ptr, part_ptr,
+    M, C, s_dy, s_x, s_ds, s_dx, s_dx2,
+    HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_DS: tl.constexpr, HAS_DX2: tl.constexpr,
+    GELU: tl.constexpr,
     ACC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
     LOOP_STAGES: tl.constexpr,
 ):
@@ -133,6 +134,9 @@ def _ln_bwd_kernel(
         if HAS_DS:  # gradient reaching the residual-stream output s directly
             dx += tl.load(ds_ptr + r64 * s_ds + cols[None, :], mask=mask, other=0.0).to(ACC)
         tl.store(dx_ptr + r64 * s_dx + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        if HAS_DX2:  # the same gradient in a second dtype (add_layer_norm's two inputs)
+            tl.store(dx2_ptr + r64 * s_dx2 + cols[None, :], dx.to(dx2_ptr.dtype.element_ty),
+                     mask=mask)
     # This program's row of the (G, 2, C) partials: [dW part, db part].
     tl.store(part_ptr + pid * 2 * C + cols, dw_acc, mask=col_ok)
     tl.store(part_ptr + pid * 2 * C + C + cols, db_acc, mask=col_ok)
@@ -187,25 +191,30 @@ def _num_programs(M: int, block_c: int, device: torch.device) -> int:
 
 def layer_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None,
                    bias: torch.Tensor | None, mean: torch.Tensor, rstd: torch.Tensor,
-                   ds: torch.Tensor | None, approximate: str | None, dx_dtype: torch.dtype):
+                   ds: torch.Tensor | None, approximate: str | None, dx_dtype: torch.dtype,
+                   dx2_dtype: torch.dtype | None = None):
     """Gradients of y = [gelu](LN(x)) w.r.t. x (plus ds, the gradient that reached the
     residual stream output, if given), weight and bias. x is the normalised input (s for
-    add_layer_norm). Returns (dx, sums): sums (2, C) holds the fp32 dW and db sums (each
+    add_layer_norm). Returns (dx, dx2, sums): dx2 is dx again in dx2_dtype, written by the
+    same pass (None if not asked: add_layer_norm's two inputs may differ in dtype, and a
+    separate cast would re-read dx); sums (2, C) holds the fp32 dW and db sums (each
     meaningful only if that parameter exists), reduced together in one launch."""
     C = x.shape[-1]
     x2, dy2 = _rows(x), _rows(dy)
     ds2 = _rows(ds) if ds is not None else dy2
     M = x2.shape[0]
     dx = torch.empty((M, C), device=x.device, dtype=dx_dtype)
+    dx2 = None if dx2_dtype is None else torch.empty_like(dx, dtype=dx2_dtype)
     block_c = triton.next_power_of_2(C)
     G = _num_programs(M, block_c, x.device)
     part_dtype = stat_dtype(x)
     parts = torch.empty((G, 2, C), device=x.device, dtype=part_dtype)
     _ln_bwd_kernel[(G,)](
         dy2, x2, weight if weight is not None else x2, bias if bias is not None else x2,
-        mean, rstd, ds2, dx, parts, M, C,
-        dy2.stride(0), x2.stride(0), ds2.stride(0), dx.stride(0),
+        mean, rstd, ds2, dx, dx if dx2 is None else dx2, parts, M, C,
+        dy2.stride(0), x2.stride(0), ds2.stride(0), dx.stride(0), dx.stride(0),
         HAS_W=weight is not None, HAS_B=bias is not None, HAS_DS=ds is not None,
-        GELU=_gelu_code(approximate, dx), ACC=acc_dtype(x), BLOCK_C=block_c,
+        HAS_DX2=dx2 is not None, GELU=_gelu_code(approximate, dx), ACC=acc_dtype(x),
+        BLOCK_C=block_c,
     )
-    return dx.view(x.shape), parts.sum(0)
+    return dx.view(x.shape), None if dx2 is None else dx2.view(x.shape), parts.sum(0)

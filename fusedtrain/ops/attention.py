@@ -21,7 +21,7 @@ def _attention_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool,
 
 @_attention_fwd.register_fake
 def _(q, k, v, causal, softmax_scale):
-    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=stat_dtype(q))
+    return K.output_buffer(q), q.new_empty(q.shape[:3], dtype=stat_dtype(q))
 
 
 @launcher("attention_bwd")
@@ -75,7 +75,9 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True,
                     softmax_scale: float | None = None) -> Tensor:
     """softmax(q k^T * scale [+ causal mask]) v without the (T, T) matrix in memory.
 
-    q, k, v: (B, H, T, D), D <= 128, any strides -> o: (B, H, T, D).
+    q, k, v: (B, H, T, D), D <= 128, any strides -> o: (B, H, T, D), stored as
+    (B, T, H, D) so that merging the heads back, o.transpose(1, 2).reshape(B, T, H * D),
+    is a view.
     softmax_scale defaults to 1 / sqrt(D).
     """
     for name, t in (("q", q), ("k", k), ("v", v)):

@@ -45,15 +45,18 @@ def _(x, residual, weight, bias, eps, approximate, out_dtype, stream_dtype):
 @launcher("layer_norm_bwd")
 def _layer_norm_bwd(dy: Tensor, x: Tensor, weight: Tensor | None, bias: Tensor | None,
                     mean: Tensor, rstd: Tensor, ds: Tensor | None, approximate: str,
-                    dx_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    return K.layer_norm_bwd(dy, x, weight, bias, mean, rstd, ds, approximate or None,
-                            dx_dtype)
+                    dx_dtype: torch.dtype, dx2_dtype: torch.dtype | None) -> list[Tensor]:
+    """[dx, sums] or, with dx2_dtype, [dx, sums, dx in dx2_dtype] (see K.layer_norm_bwd)."""
+    dx, dx2, sums = K.layer_norm_bwd(dy, x, weight, bias, mean, rstd, ds, approximate or None,
+                                     dx_dtype, dx2_dtype)
+    return [dx, sums] if dx2 is None else [dx, sums, dx2]
 
 
 @_layer_norm_bwd.register_fake
-def _(dy, x, weight, bias, mean, rstd, ds, approximate, dx_dtype):
-    return x.new_empty(x.shape, dtype=dx_dtype), x.new_empty((2, x.shape[-1]),
-                                                             dtype=mean.dtype)
+def _(dy, x, weight, bias, mean, rstd, ds, approximate, dx_dtype, dx2_dtype):
+    grads = [x.new_empty(x.shape, dtype=dx_dtype), x.new_empty((2, x.shape[-1]),
+                                                               dtype=mean.dtype)]
+    return grads if dx2_dtype is None else [*grads, x.new_empty(x.shape, dtype=dx2_dtype)]
 
 
 def _param_grads(sums: Tensor, weight: Tensor | None, bias: Tensor | None):
@@ -77,7 +80,7 @@ class LayerNormFunction(torch.autograd.Function):
     def backward(ctx, dy):
         x, weight, bias, mean, rstd = ctx.saved_tensors
         dx, sums = _layer_norm_bwd(
-            dy, x, weight, bias, mean, rstd, None, ctx.approximate, x.dtype)
+            dy, x, weight, bias, mean, rstd, None, ctx.approximate, x.dtype, None)
         return (dx, *_param_grads(sums, weight, bias), None, None, None)
 
 
@@ -96,9 +99,12 @@ class AddLayerNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, ds):
         s, weight, bias, mean, rstd = ctx.saved_tensors
-        dsum, sums = _layer_norm_bwd(
-            dy, s, weight, bias, mean, rstd, ds, "", s.dtype)
-        dx, dres = (dsum.to(dt) for dt in ctx.dtypes)
+        x_dtype, res_dtype = ctx.dtypes
+        # d/dx = d/dresidual: one gradient, written in each input's dtype by the one pass.
+        grads = _layer_norm_bwd(dy, s, weight, bias, mean, rstd, ds, "", res_dtype,
+                                None if x_dtype == res_dtype else x_dtype)
+        dres, sums = grads[:2]
+        dx = grads[2] if len(grads) == 3 else dres
         return (dx, dres, *_param_grads(sums, weight, bias), None, None)
 
 

@@ -13,6 +13,7 @@ from torch.utils.flop_counter import register_flop_formula
 
 from fusedtrain import eager
 from fusedtrain.kernels import linear_gelu as K
+from fusedtrain.kernels._common import stat_dtype
 from fusedtrain.ops._registry import launcher
 from fusedtrain.ops._validate import (
     autocast_cast,
@@ -40,13 +41,17 @@ def _(x, weight, bias, approximate):
 
 
 @launcher("matmul_dgelu")
-def _matmul_dgelu(dy: Tensor, w2: Tensor, h: Tensor, approximate: str) -> Tensor:
-    return K.matmul_dgelu(dy, w2, h, approximate)
+def _matmul_dgelu(dy: Tensor, w2: Tensor, h: Tensor, approximate: str,
+                  bias_grad: bool) -> list[Tensor]:
+    """[dh] or, with bias_grad, [dh, dh.sum(0) in fp32] (see K.matmul_dgelu)."""
+    dh, db = K.matmul_dgelu(dy, w2, h, approximate, bias_grad)
+    return [dh] if db is None else [dh, db]
 
 
 @_matmul_dgelu.register_fake
-def _(dy, w2, h, approximate):
-    return h.new_empty(h.shape)
+def _(dy, w2, h, approximate, bias_grad):
+    dh = h.new_empty(h.shape)
+    return [dh, h.new_empty(h.shape[1], dtype=stat_dtype(h))] if bias_grad else [dh]
 
 
 @launcher("matmul_gelu_rhs")
@@ -125,9 +130,11 @@ class FusedMLPFunction(torch.autograd.Function):
     def backward(ctx, dy: Tensor):
         x, w1, b1, w2, b2, h = ctx.saved_tensors
         a = ctx.approximate
-        dh = _matmul_dgelu(dy, w2, h, a)      # (dy @ W2) * gelu'(h)
+        # dW2 first: its split-K partial sums are freed before dh is allocated.
         dw2 = _matmul_gelu_rhs(dy, h, a)      # dy.T @ gelu(h)
-        return dh @ w1, dh.t() @ x, _bias_grad(dh, b1), dw2, _bias_grad(dy, b2), None
+        dh, *db1 = _matmul_dgelu(dy, w2, h, a, b1 is not None)  # (dy @ W2) * gelu'(h)
+        db1 = db1[0].to(b1.dtype) if db1 else None
+        return dh @ w1, dh.t() @ x, db1, dw2, _bias_grad(dy, b2), None
 
 
 # ---------------------------------------------------------------- public ops
