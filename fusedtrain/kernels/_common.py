@@ -268,14 +268,6 @@ def gemm_tile(a_ptr, b_ptr, M, N, K, s_am, s_ak, s_bk, s_bn,
 
 
 @device_fn
-def store_col_sums(part_ptr, row, offs_n, N, tile):
-    """Row `row` of an (R, N) fp32 partial-sum buffer: the column sums of `tile` (whose
-    columns are offs_n). A bias gradient, the column sums of a gradient matrix, then costs
-    a reduction over R rows afterwards instead of another pass over the matrix."""
-    tl.store(part_ptr + row.to(tl.int64) * N + offs_n, row_sum(tile, 0), mask=offs_n < N)
-
-
-@device_fn
 def tile_ptrs(ptr, offs_m, offs_n, s_m, s_n):
     """Pointers of a (rows, cols) tile of a strided 2-D tensor, int64 offsets."""
     return ptr + offs_m.to(tl.int64)[:, None] * s_m + offs_n.to(tl.int64)[None, :] * s_n
@@ -294,8 +286,6 @@ def gemm_configs() -> list[triton.Config]:
 INTERPRET_GEMM = triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8})
 WIDE_GEMM = [triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8},
                            num_stages=2, num_warps=4)]
-# The smallest BLOCK_M any autotuned GEMM may pick (sizes per-row-of-tiles buffers).
-MIN_BLOCK_M = min(c.kwargs["BLOCK_M"] for c in [*gemm_configs(), *WIDE_GEMM, INTERPRET_GEMM])
 
 
 @device_fn

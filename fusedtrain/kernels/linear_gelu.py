@@ -3,9 +3,7 @@
   linear_gelu_fwd   y = gelu(x @ W.T + b), bias and GELU applied to the accumulator in
                     registers; optionally also writes h = x @ W.T + b for backward.
   matmul_dgelu      dh = (dy @ W2) * gelu'(h): the MLP's backward GEMM, gelu'(h)
-                    recomputed from h in the epilogue (no dGELU tensor in memory);
-                    optionally also db = dh.sum(0), from per-tile column sums taken in
-                    the same epilogue (dh is not read again for the bias gradient).
+                    recomputed from h in the epilogue (no dGELU tensor in memory).
   matmul_gelu_rhs   dW2 = dy.T @ gelu(h): gelu(h) recomputed while each tile of h is
                     loaded, so gelu(h) is never stored.
   gelu_bwd          dh = dy * gelu'(h), elementwise (standalone linear_gelu backward).
@@ -25,7 +23,6 @@ import triton.language as tl
 from fusedtrain.kernels import INTERPRET
 from fusedtrain.kernels._common import (
     INTERPRET_GEMM,
-    MIN_BLOCK_M,
     WIDE_GEMM,
     acc_dtype,
     autotune,
@@ -37,10 +34,8 @@ from fusedtrain.kernels._common import (
     gemm_configs,
     gemm_flags,
     gemm_tile,
-    grouped_tile,
     sm_count,
     stat_dtype,
-    store_col_sums,
     tile_ptrs,
 )
 from fusedtrain.kernels._tma import (
@@ -82,20 +77,17 @@ def _linear_gelu_fwd_kernel(
 @autotune(gemm_configs(), key=["M", "N", "K"], interpret=INTERPRET_GEMM, wide=WIDE_GEMM)
 @triton.jit
 def _matmul_dgelu_kernel(
-    dy_ptr, w_ptr, h_ptr, dh_ptr, sum_ptr, M, N, K,
+    dy_ptr, w_ptr, h_ptr, dh_ptr, M, N, K,
     s_dym, s_dyk, s_wk, s_wn, s_hm, s_hn, s_dhm, s_dhn,
-    APPROX: tl.constexpr, COL_SUMS: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
+    APPROX: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     acc, offs_m, offs_n, mask = gemm_tile(dy_ptr, w_ptr, M, N, K, s_dym, s_dyk, s_wk, s_wn,
                                           ACC, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
     h = tl.load(tile_ptrs(h_ptr, offs_m, offs_n, s_hm, s_hn), mask=mask, other=0.0).to(ACC)
-    dh = acc * gelu_grad(h, APPROX)  # rows past M: acc = 0 there, so dh = 0
+    dh = acc * gelu_grad(h, APPROX)
     tl.store(tile_ptrs(dh_ptr, offs_m, offs_n, s_dhm, s_dhn), dh.to(dh_ptr.dtype.element_ty),
              mask=mask)
-    if COL_SUMS:
-        pid_m, _ = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-        store_col_sums(sum_ptr, pid_m, offs_n, N, dh)
 
 
 @autotune(gemm_configs(), key=["M", "N", "K_SPLIT"], interpret=INTERPRET_GEMM, wide=WIDE_GEMM)
@@ -167,21 +159,16 @@ def _linear_gelu_fwd_tma_kernel(
 
 
 @device_fn
-def _dgelu_store(acc, off_m, off_n, h_desc, dh_desc, sum_ptr, N, APPROX: tl.constexpr,
-                 COL_SUMS: tl.constexpr):
-    """Epilogue of one column half: dh = acc * gelu'(h), h read back through TMA (rows
-    past M read as 0, so dh is 0 there); with COL_SUMS, also dh's column sums."""
+def _dgelu_store(acc, off_m, off_n, h_desc, dh_desc, APPROX: tl.constexpr):
+    """Epilogue of one column half: dh = acc * gelu'(h), h read back through TMA."""
     h = h_desc.load([off_m, off_n]).to(acc.dtype)
-    dh = acc * gelu_grad(h, APPROX)
-    dh_desc.store([off_m, off_n], dh.to(dh_desc.dtype))
-    if COL_SUMS:
-        store_col_sums(sum_ptr, off_m // dh.shape[0], off_n + tl.arange(0, dh.shape[1]), N, dh)
+    dh_desc.store([off_m, off_n], (acc * gelu_grad(h, APPROX)).to(dh_desc.dtype))
 
 
 @triton.jit
 def _matmul_dgelu_tma_kernel(
-    dy_ptr, w_ptr, h_ptr, dh_ptr, sum_ptr, M, N, K, s_dym, s_wk, s_hm, s_dhm,
-    APPROX: tl.constexpr, COL_SUMS: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
+    dy_ptr, w_ptr, h_ptr, dh_ptr, M, N, K, s_dym, s_wk, s_hm, s_dhm,
+    APPROX: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     dy_desc = matrix_desc(dy_ptr, M, K, s_dym, BLOCK_M, BLOCK_K)
@@ -192,9 +179,8 @@ def _matmul_dgelu_tma_kernel(
     for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=True):
         off_m, off_n, left, right = tile_halves(dy_desc, w_desc, tile, M, N, K, ACC, PRECISION,
                                                 BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
-        _dgelu_store(left, off_m, off_n, h_desc, dh_desc, sum_ptr, N, APPROX, COL_SUMS)
-        _dgelu_store(right, off_m, off_n + BLOCK_N // 2, h_desc, dh_desc, sum_ptr, N,
-                     APPROX, COL_SUMS)
+        _dgelu_store(left, off_m, off_n, h_desc, dh_desc, APPROX)
+        _dgelu_store(right, off_m, off_n + BLOCK_N // 2, h_desc, dh_desc, APPROX)
 
 
 @triton.jit
@@ -256,31 +242,23 @@ def linear_gelu_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
 
 def matmul_dgelu(dy: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, approximate: str,
-                 bias_grad: bool = False,
-                 config: TmaConfig | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """dy: (M, N2), w2: (N2, N), h: (M, N) -> (dh, db): dh = (dy @ w2) * gelu'(h): (M, N),
-    and with bias_grad db = dh.sum(0): (N,) in fp32 (fp64 for fp64 data), else None."""
+                 config: TmaConfig | None = None) -> torch.Tensor:
+    """dy: (M, N2), w2: (N2, N), h: (M, N) -> dh = (dy @ w2) * gelu'(h): (M, N)."""
     M, K = dy.shape
     N = w2.shape[1]
     dh = torch.empty((M, N), device=dy.device, dtype=dy.dtype)
-    use_tma = tma_ok(dy, w2, h)
-    cfg = config or tma_config(N)
-    # One row of column sums per row of tiles. The pointer kernel's BLOCK_M is the
-    # autotuner's choice: rows for the smallest one, zero where a larger one writes none.
-    tile_rows = triton.cdiv(M, cfg.block_m if use_tma else MIN_BLOCK_M)
-    parts = (torch.empty if use_tma else torch.zeros)(
-        (tile_rows if bias_grad else 0, N), device=dy.device, dtype=stat_dtype(dy))
-    flags = dict(COL_SUMS=bias_grad, **gemm_flags(dy, approximate))
-    if use_tma:
+    flags = gemm_flags(dy, approximate)
+    if tma_ok(dy, w2, h):
+        cfg = config or tma_config(N)
         tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
-        launch(_matmul_dgelu_tma_kernel, tiles, dy.device, dy, w2, h, dh, parts, M, N, K,
+        launch(_matmul_dgelu_tma_kernel, tiles, dy.device, dy, w2, h, dh, M, N, K,
                dy.stride(0), w2.stride(0), h.stride(0), dh.stride(0), config=cfg, **flags)
-    else:
-        _matmul_dgelu_kernel[_gemm_grid(M, N)](
-            dy, w2, h, dh, parts, M, N, K,
-            dy.stride(0), dy.stride(1), w2.stride(0), w2.stride(1),
-            h.stride(0), h.stride(1), dh.stride(0), dh.stride(1), **flags)
-    return dh, parts.sum(0) if bias_grad else None
+        return dh
+    _matmul_dgelu_kernel[_gemm_grid(M, N)](
+        dy, w2, h, dh, M, N, K,
+        dy.stride(0), dy.stride(1), w2.stride(0), w2.stride(1),
+        h.stride(0), h.stride(1), dh.stride(0), dh.stride(1), **flags)
+    return dh
 
 
 def k_splits(tiles: int, K: int, device: torch.device) -> int:

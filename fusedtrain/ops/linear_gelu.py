@@ -14,6 +14,7 @@ from torch.utils.flop_counter import register_flop_formula
 from fusedtrain import eager
 from fusedtrain.kernels import linear_gelu as K
 from fusedtrain.kernels._common import stat_dtype
+from fusedtrain.kernels.bias_grad import bias_grad
 from fusedtrain.ops._registry import launcher
 from fusedtrain.ops._validate import (
     autocast_cast,
@@ -41,17 +42,13 @@ def _(x, weight, bias, approximate):
 
 
 @launcher("matmul_dgelu")
-def _matmul_dgelu(dy: Tensor, w2: Tensor, h: Tensor, approximate: str,
-                  bias_grad: bool) -> list[Tensor]:
-    """[dh] or, with bias_grad, [dh, dh.sum(0) in fp32] (see K.matmul_dgelu)."""
-    dh, db = K.matmul_dgelu(dy, w2, h, approximate, bias_grad)
-    return [dh] if db is None else [dh, db]
+def _matmul_dgelu(dy: Tensor, w2: Tensor, h: Tensor, approximate: str) -> Tensor:
+    return K.matmul_dgelu(dy, w2, h, approximate)
 
 
 @_matmul_dgelu.register_fake
-def _(dy, w2, h, approximate, bias_grad):
-    dh = h.new_empty(h.shape)
-    return [dh, h.new_empty(h.shape[1], dtype=stat_dtype(h))] if bias_grad else [dh]
+def _(dy, w2, h, approximate):
+    return h.new_empty(h.shape)
 
 
 @launcher("matmul_gelu_rhs")
@@ -74,6 +71,16 @@ def _(dy, h, approximate):
     return h.new_empty(h.shape)
 
 
+@launcher("bias_grad")
+def _column_sums(g: Tensor) -> Tensor:
+    return bias_grad(g)
+
+
+@_column_sums.register_fake
+def _(g):
+    return g.new_empty(g.shape[1], dtype=stat_dtype(g))
+
+
 @register_flop_formula(torch.ops.fusedtrain.linear_gelu_fwd)
 def _(x_shape, w_shape, *args, **kwargs) -> int:
     return 2 * x_shape[0] * x_shape[1] * w_shape[0]
@@ -93,9 +100,8 @@ def _(dy_shape, h_shape, *args, **kwargs) -> int:
 
 
 def _bias_grad(dh: Tensor, bias: Tensor | None) -> Tensor | None:
-    # PyTorch reduces low-precision tensors with an fp32 accumulator; asking for an fp32
-    # result instead would materialise an fp32 copy of dh (seen as extra peak memory).
-    return None if bias is None else dh.sum(0).to(bias.dtype)
+    """dh: (M, N) -> dh.sum(0) in the bias's dtype, accumulated in fp32."""
+    return None if bias is None else _column_sums(dh).to(bias.dtype)
 
 
 class LinearGELUFunction(torch.autograd.Function):
@@ -132,9 +138,8 @@ class FusedMLPFunction(torch.autograd.Function):
         a = ctx.approximate
         # dW2 first: its split-K partial sums are freed before dh is allocated.
         dw2 = _matmul_gelu_rhs(dy, h, a)      # dy.T @ gelu(h)
-        dh, *db1 = _matmul_dgelu(dy, w2, h, a, b1 is not None)  # (dy @ W2) * gelu'(h)
-        db1 = db1[0].to(b1.dtype) if db1 else None
-        return dh @ w1, dh.t() @ x, db1, dw2, _bias_grad(dy, b2), None
+        dh = _matmul_dgelu(dy, w2, h, a)      # (dy @ W2) * gelu'(h)
+        return dh @ w1, dh.t() @ x, _bias_grad(dh, b1), dw2, _bias_grad(dy, b2), None
 
 
 # ---------------------------------------------------------------- public ops

