@@ -53,6 +53,10 @@ def test_output_merges_heads_without_a_copy():
     ref = eager.flash_attention(q, k, v).transpose(1, 2).reshape(2, 21, 48)
     for a, b in zip(grads, torch.autograd.grad(ref, (q, k, v), g)):
         torch.testing.assert_close(a, b)
+    # dq, dk, dv come as slices of one (B, T, 3, H, D) buffer: the packed QKV projection's
+    # output gradient, which its backward reads as one matrix.
+    assert all(t.stride() == (21 * 3 * 48, 16, 3 * 48, 1) for t in grads)
+    assert grads[1].data_ptr() - grads[0].data_ptr() == 48 * grads[0].element_size()
 
 
 def test_softmax_scale():

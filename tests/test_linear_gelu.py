@@ -215,10 +215,6 @@ def test_gpu_bf16_accuracy(M, K, N, approximate):
 
 
 @pytest.mark.gpu
-@pytest.mark.xfail(strict=True, reason=(
-    "measured on the H200 2026-11-30: peak 71 MB below eager at M=16384 K=768 N=3072 (33 MB "
-    "before dW2 was computed ahead of dh); one (M x N) bf16 tensor is 100 MB. The backward "
-    "holds h (saved) and dh together, where eager has freed gelu(h) before it forms dh"))
 def test_gpu_mlp_peak_memory_below_eager_by_one_hidden_tensor():
     M, K, N = 16384, 768, 3072
     x = torch.randn(M, K, device="cuda")
@@ -239,4 +235,6 @@ def test_gpu_mlp_peak_memory_below_eager_by_one_hidden_tensor():
         peaks[name] = torch.cuda.max_memory_allocated() - base
     # One (M x N) bf16 tensor less, give or take the small (M x K) buffers around it.
     saved = peaks["eager"] - peaks["fused"]
+    print(f"MLP forward+backward peak MB above inputs: eager {peaks['eager'] / 1e6:.1f}, "
+          f"fused {peaks['fused'] / 1e6:.1f}; one hidden tensor {M * N * 2 / 1e6:.1f}")
     assert saved >= 0.9 * M * N * 2, f"peaks {peaks}, saved {saved} < 0.9 x {M * N * 2}"

@@ -96,28 +96,42 @@ def test_gpu_bf16_accuracy(B, T, C, H):
                          lambda *a: eager.qkv_projection(*a, H), (x, w, b), 1e-2, 1e-2, "qkv")
 
 
-def test_bias_gradient_in_one_reduction_when_the_gradients_share_a_buffer():
-    from fusedtrain.ops.qkv import _bias_grad, _consecutive
-
-    dq, dk, dv = torch.randn(3, 2, 3, 5, 4, dtype=torch.float64).unbind(0)
-    apart = dv.clone()
-    assert _consecutive(dq, dk, dv) and not _consecutive(dq, dk, apart)
-    expected = torch.cat([g.sum((0, 2)).flatten() for g in (dq, dk, dv)])
-    torch.testing.assert_close(_bias_grad(dq, dk, dv), expected)
-    torch.testing.assert_close(_bias_grad(dq, dk, apart), expected)
+def _packed_grads(B, T, H, D):
+    """dq, dk, dv as the fused attention's backward lays them out: slices of one
+    (B, T, 3, H, D) buffer."""
+    buf = torch.randn(B, T, 3, H, D, dtype=torch.float64)
+    return buf, buf.permute(2, 0, 3, 1, 4).unbind(0)
 
 
-def test_back_to_back_allocations_are_not_one_buffer():
-    """Three gradients allocated separately can lie back to back in memory (the caching
-    allocator does this on the GPU); one view over them would reach past the first one's
-    storage. Here: three storages over adjacent slices of one host buffer."""
-    from fusedtrain.ops.qkv import _bias_grad, _consecutive
+def test_backward_reads_packed_gradients_as_one_matrix():
+    from fusedtrain.ops.qkv import _packed
 
-    shape, n = (2, 3, 5, 4), 2 * 3 * 5 * 4
-    memory = bytearray(torch.randn(3 * n, dtype=torch.float64).numpy().tobytes())
-    dq, dk, dv = (torch.frombuffer(memory, dtype=torch.float64, count=n, offset=8 * n * i)
-                  .view(shape) for i in range(3))
-    assert dk.data_ptr() - dq.data_ptr() == 8 * n
-    assert not _consecutive(dq, dk, dv)
-    expected = torch.cat([g.sum((0, 2)).flatten() for g in (dq, dk, dv)])
-    torch.testing.assert_close(_bias_grad(dq, dk, dv), expected)
+    B, T, C, H = 2, 5, 12, 3
+    buf, (dq, dk, dv) = _packed_grads(B, T, H, C // H)
+    g = _packed(dq, dk, dv)
+    assert g is not None and g.data_ptr() == buf.data_ptr() and g.shape == (B * T, 3 * C)
+    torch.testing.assert_close(g, buf.reshape(B * T, 3 * C), rtol=0, atol=0)
+    assert _packed(dq, dk, dv.clone()) is None and _packed(dk, dq, dv) is None
+    x = torch.randn(B, T, C, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(3 * C, C, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(3 * C, dtype=torch.float64, requires_grad=True)
+    for grads in ((dq, dk, dv), (dq, dk, dv.clone())):  # packed, then the strided kernels
+        fused = torch.autograd.grad(ops.qkv_projection(x, w, b, H), (x, w, b), grads)
+        ref = torch.autograd.grad(eager.qkv_projection(x, w, b, H), (x, w, b), grads)
+        for a, r in zip(fused, ref):
+            torch.testing.assert_close(a, r)
+
+
+def test_adjacent_storages_are_not_one_buffer():
+    """Views of three different storages can have the packed strides and addresses C
+    elements apart; a matrix over them would reach past the first one's storage."""
+    from fusedtrain.ops.qkv import _packed
+
+    B, T, C, H = 2, 5, 12, 3
+    n = B * T * 3 * C
+    memory = bytearray(torch.randn(n, dtype=torch.float64).numpy().tobytes())
+    dq, dk, dv = (torch.frombuffer(memory, dtype=torch.float64, count=n - C * i, offset=8 * C * i)
+                  .as_strided((B, H, T, C // H), (T * 3 * C, C // H, 3 * C, 1))
+                  for i in range(3))
+    assert dk.data_ptr() - dq.data_ptr() == 8 * C
+    assert _packed(dq, dk, dv) is None

@@ -342,9 +342,17 @@ def output_buffer(q: torch.Tensor) -> torch.Tensor:
     return torch.empty((B, T, H, D), device=q.device, dtype=q.dtype).transpose(1, 2)
 
 
+def grad_buffer(q: torch.Tensor) -> torch.Tensor:
+    """An uninitialised (3, B, H, T, D) buffer for [dq, dk, dv], stored as (B, T, 3, H, D):
+    what a packed QKV projection's backward reads, the (B*T, 3C) gradient of its output,
+    is then this buffer itself (ops.qkv reads it as one matrix: no concatenation)."""
+    B, H, T, D = q.shape
+    return torch.empty((B, T, 3, H, D), device=q.device, dtype=q.dtype).permute(2, 0, 3, 1, 4)
+
+
 def attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   o: torch.Tensor, lse: torch.Tensor, causal: bool, softmax_scale: float):
-    """Gradients stacked: (3, B, H, T, D) = [dq, dk, dv], contiguous."""
+    """Gradients stacked: (3, B, H, T, D) = [dq, dk, dv], laid out by grad_buffer."""
     B, H, T, D, block_d, acc, qk_scale = _common_args(q, softmax_scale)
     delta = torch.empty_like(lse)
     block = 64
@@ -352,9 +360,7 @@ def attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
         o, do, delta, H, T, D, *o.stride(), *do.stride(), ACC=acc, BLOCK_D=block_d,
         BLOCK_M=block,
     )
-    # One buffer, so that a consumer can reduce over all three at once (the QKV
-    # projection's bias gradient: one launch instead of three and a concatenation).
-    grads = torch.empty((3, B, H, T, D), device=q.device, dtype=q.dtype)
+    grads = grad_buffer(q)
     dq, dk, dv = grads.unbind(0)
     args = (qk_scale, softmax_scale, H, T, D, triton.next_power_of_2(T),
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride())

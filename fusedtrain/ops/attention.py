@@ -27,14 +27,14 @@ def _(q, k, v, causal, softmax_scale):
 @launcher("attention_bwd")
 def _attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
                    causal: bool, softmax_scale: float) -> Tensor:
-    """(3, B, H, T, D): dq, dk, dv in one buffer (a custom op's outputs may not alias, so
-    the three views are taken by the caller)."""
+    """(3, B, H, T, D): dq, dk, dv in one buffer laid out as K.grad_buffer (a custom op's
+    outputs may not alias, so the three views are taken by the caller)."""
     return K.attention_bwd(do, q, k, v, o, lse, causal, softmax_scale)
 
 
 @_attention_bwd.register_fake
 def _(do, q, k, v, o, lse, causal, softmax_scale):
-    return q.new_empty((3, *q.shape))
+    return K.grad_buffer(q)
 
 
 def _attention_flops(q_shape, causal: bool, matmuls: int) -> int:

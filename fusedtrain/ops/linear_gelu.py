@@ -13,8 +13,6 @@ from torch.utils.flop_counter import register_flop_formula
 
 from fusedtrain import eager
 from fusedtrain.kernels import linear_gelu as K
-from fusedtrain.kernels._common import stat_dtype
-from fusedtrain.kernels.bias_grad import bias_grad
 from fusedtrain.ops._registry import launcher
 from fusedtrain.ops._validate import (
     autocast_cast,
@@ -22,6 +20,7 @@ from fusedtrain.ops._validate import (
     check_same,
     check_tensor,
 )
+from fusedtrain.ops.bias_grad import column_sums
 
 Tensor = torch.Tensor
 
@@ -71,16 +70,6 @@ def _(dy, h, approximate):
     return h.new_empty(h.shape)
 
 
-@launcher("bias_grad")
-def _column_sums(g: Tensor) -> Tensor:
-    return bias_grad(g)
-
-
-@_column_sums.register_fake
-def _(g):
-    return g.new_empty(g.shape[1], dtype=stat_dtype(g))
-
-
 @register_flop_formula(torch.ops.fusedtrain.linear_gelu_fwd)
 def _(x_shape, w_shape, *args, **kwargs) -> int:
     return 2 * x_shape[0] * x_shape[1] * w_shape[0]
@@ -101,7 +90,7 @@ def _(dy_shape, h_shape, *args, **kwargs) -> int:
 
 def _bias_grad(dh: Tensor, bias: Tensor | None) -> Tensor | None:
     """dh: (M, N) -> dh.sum(0) in the bias's dtype, accumulated in fp32."""
-    return None if bias is None else _column_sums(dh).to(bias.dtype)
+    return None if bias is None else column_sums(dh).to(bias.dtype)
 
 
 class LinearGELUFunction(torch.autograd.Function):
