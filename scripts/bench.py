@@ -135,6 +135,11 @@ def bench_qkv(rows: list[dict]) -> None:
             r["fwd"]["cublas"] = bench(lambda: x @ w.t())
         r["fwd_bwd"] = {k: bench(fwd_bwd(lambda *a, f=f: f(*a, H), (x, w, b)))
                         for k, f in peers.items()}
+        # As in the model: dq, dk, dv arrive as slices of one (B, T, 3, H, D) buffer, the
+        # layout the fused attention's backward writes them in.
+        from_attention = randn(B, T, 3, H, C // H, grad=False).permute(2, 0, 3, 1, 4).unbind(0)
+        r["fwd_bwd_attn"] = {k: bench(fwd_bwd(lambda *a, f=f: f(*a, H), (x, w, b),
+                                              from_attention)) for k, f in peers.items()}
         rows.append(r)
 
 
@@ -551,7 +556,7 @@ FAMILIES = {"linear_gelu": bench_linear_gelu, "qkv": bench_qkv, "attention": ben
 
 def print_table(rows: list[dict]) -> None:
     for r in rows:
-        for key in ("fwd", "fwd_bwd"):
+        for key in ("fwd", "fwd_bwd", "fwd_bwd_attn"):
             if key not in r:
                 continue
             t = r[key]
@@ -559,7 +564,7 @@ def print_table(rows: list[dict]) -> None:
             cells = "  ".join(
                 f"{k} {v:.3f}ms" + (f" ({v / base:.2f}x)" if base and k != "fused" else "")
                 for k, v in t.items())
-            print(f"{r['family']:<11} {r['shape']:<38} {key:<7} {cells}")
+            print(f"{r['family']:<11} {r['shape']:<38} {key:<12} {cells}")
         for extra in ("saved_MiB", "fwd_bwd_tflops", "fwd_GBps", "peak_MiB"):
             if extra in r:
                 vals = "  ".join(f"{k} {v:.1f}" for k, v in r[extra].items())
