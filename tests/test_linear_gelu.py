@@ -77,6 +77,30 @@ def _saved_activation_bytes(fn, inputs, params):
     return sum(saved.values())
 
 
+def test_inference_forward_writes_no_pre_activation():
+    """Without a backward to come (no_grad, or no input needing a gradient) the forward
+    runs the kernel that writes y alone; results equal the training forward's."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class OpNames(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.add(func.name())
+            return func(*args, **(kwargs or {}))
+
+    x, w1, b1, w2, b2 = _mlp_inputs(37, 24, 40)
+    for run in (lambda: ops.linear_gelu(x, w1, b1), lambda: ops.fused_mlp(x, w1, b1, w2, b2)):
+        trained = run()
+        with torch.no_grad(), OpNames() as seen:
+            inferred = run()
+        assert "fusedtrain::linear_gelu_infer" in seen.names
+        assert "fusedtrain::linear_gelu_fwd" not in seen.names
+        torch.testing.assert_close(inferred, trained.detach(), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("dtype", [F64, torch.float16])
 def test_split_k_weight_gradient(splits, dtype):

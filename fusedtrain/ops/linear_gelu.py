@@ -40,6 +40,18 @@ def _(x, weight, bias, approximate):
     return out, torch.empty_like(out)
 
 
+@launcher("linear_gelu_infer")
+def _linear_gelu_infer(x: Tensor, weight: Tensor, bias: Tensor | None,
+                       approximate: str) -> Tensor:
+    """The forward when no gradient is wanted: y only, h not written."""
+    return K.linear_gelu_fwd(x, weight, bias, approximate, store_h=False)[0]
+
+
+@_linear_gelu_infer.register_fake
+def _(x, weight, bias, approximate):
+    return x.new_empty((x.shape[0], weight.shape[0]))
+
+
 @launcher("matmul_dgelu")
 def _matmul_dgelu(dy: Tensor, w2: Tensor, h: Tensor, approximate: str) -> Tensor:
     return K.matmul_dgelu(dy, w2, h, approximate)
@@ -70,7 +82,8 @@ def _(dy, h, approximate):
     return h.new_empty(h.shape)
 
 
-@register_flop_formula(torch.ops.fusedtrain.linear_gelu_fwd)
+@register_flop_formula([torch.ops.fusedtrain.linear_gelu_fwd,
+                        torch.ops.fusedtrain.linear_gelu_infer])
 def _(x_shape, w_shape, *args, **kwargs) -> int:
     return 2 * x_shape[0] * x_shape[1] * w_shape[0]
 
@@ -134,6 +147,12 @@ class FusedMLPFunction(torch.autograd.Function):
 # ---------------------------------------------------------------- public ops
 
 
+def _wants_grad(*tensors: Tensor | None) -> bool:
+    """Whether autograd will want a backward: otherwise h, which only backward reads, is
+    not written (one (M x N) store less in inference)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def _check_linear(x: Tensor, weight: Tensor, bias: Tensor | None, wname: str, bname: str,
                   in_features: int) -> None:
     check_tensor(wname, weight, ndim=2)
@@ -160,7 +179,9 @@ def linear_gelu(x: Tensor, weight: Tensor, bias: Tensor | None = None,
     _check_linear(x, weight, bias, "weight", "bias", x.shape[-1])
     if x.numel() == 0:
         return eager.linear_gelu(x, weight, bias, approximate)
-    y = LinearGELUFunction.apply(x.reshape(-1, x.shape[-1]), weight, bias, approximate)
+    x2 = x.reshape(-1, x.shape[-1])
+    y = (LinearGELUFunction.apply(x2, weight, bias, approximate) if _wants_grad(x, weight, bias)
+         else _linear_gelu_infer(x2, weight, bias, approximate))
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
@@ -180,6 +201,10 @@ def fused_mlp(x: Tensor, fc_weight: Tensor, fc_bias: Tensor | None, proj_weight:
     _check_linear(x, proj_weight, proj_bias, "proj_weight", "proj_bias", fc_weight.shape[0])
     if x.numel() == 0:
         return eager.fused_mlp(x, fc_weight, fc_bias, proj_weight, proj_bias, approximate)
-    y = FusedMLPFunction.apply(x.reshape(-1, x.shape[-1]), fc_weight, fc_bias, proj_weight,
-                               proj_bias, approximate)
+    x2 = x.reshape(-1, x.shape[-1])
+    if _wants_grad(x, fc_weight, fc_bias, proj_weight, proj_bias):
+        y = FusedMLPFunction.apply(x2, fc_weight, fc_bias, proj_weight, proj_bias, approximate)
+    else:
+        y = F.linear(_linear_gelu_infer(x2, fc_weight, fc_bias, approximate), proj_weight,
+                     proj_bias)
     return y.view(*x.shape[:-1], proj_weight.shape[0])
