@@ -1,3 +1,5 @@
+import shutil
+
 import pytest
 import torch
 from conftest import assert_within_eager_error, check_against_oracle, grads_of
@@ -73,6 +75,29 @@ def test_compile_fullgraph_matches_eager():
     (r,), ref_g, _ = grads_of(lambda *a: eager.flash_attention(*a), (q, k, v), g)
     for a, b in zip((o, *grads), (r, *ref_g)):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="inductor on CPU needs a C++ compiler")
+def test_inductor_keeps_the_output_and_gradient_layouts():
+    """Inductor (not only aot_eager) takes the ops' non-contiguous output and gradient
+    layouts from their fake implementations: the QKV -> attention -> head merge chain
+    compiled matches eager in fp64, gradients included."""
+    B, T, C, H = 2, 9, 24, 3
+    x, w, b, wp = (torch.randn(*s, dtype=F64, requires_grad=True)
+                   for s in ((B, T, C), (3 * C, C), (3 * C,), (C, C)))
+
+    def chain(x, w, b, wp, fused=True):
+        q, k, v = (ops if fused else eager).qkv_projection(x, w, b, H)
+        y = (ops if fused else eager).flash_attention(q, k, v, causal=True)
+        return (y.transpose(1, 2).reshape(B, T, C) @ wp).sin().sum()
+
+    def value_and_grads(out):
+        return (out, *torch.autograd.grad(out, (x, w, b, wp)))
+
+    got = value_and_grads(torch.compile(chain, fullgraph=True)(x, w, b, wp))
+    ref = value_and_grads(chain(x, w, b, wp, fused=False))
+    for a, r in zip(got, ref):
+        torch.testing.assert_close(a, r)
 
 
 def test_bad_inputs():
