@@ -197,7 +197,6 @@ def fused_mlp(x: Tensor, fc_weight: Tensor, fc_bias: Tensor | None, proj_weight:
     x, fc_weight, fc_bias, proj_weight, proj_bias = autocast_cast(
         x, fc_weight, fc_bias, proj_weight, proj_bias)
     _check_linear(x, fc_weight, fc_bias, "fc_weight", "fc_bias", x.shape[-1])
-    check_tensor("proj_weight", proj_weight, ndim=2)
     _check_linear(x, proj_weight, proj_bias, "proj_weight", "proj_bias", fc_weight.shape[0])
     if x.numel() == 0:
         return eager.fused_mlp(x, fc_weight, fc_bias, proj_weight, proj_bias, approximate)

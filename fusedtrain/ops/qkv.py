@@ -84,12 +84,12 @@ def _packed(dq: Tensor, dk: Tensor, dv: Tensor) -> Tensor | None:
     B, H, T, D = dq.shape
     C = H * D
     packed = (T * 3 * C, D, 3 * C, 1)
-    step = C * dq.element_size()
     storage = dq.untyped_storage().data_ptr()
-    if not all(g.stride() == packed and g.untyped_storage().data_ptr() == storage
-               for g in (dk, dv)) or dq.stride() != packed:
+    if any(g.stride() != packed or g.untyped_storage().data_ptr() != storage
+           for g in (dq, dk, dv)):
         return None
-    if dk.data_ptr() - dq.data_ptr() != step or dv.data_ptr() - dk.data_ptr() != step:
+    step = C * dq.element_size()
+    if (dk.data_ptr() - dq.data_ptr(), dv.data_ptr() - dk.data_ptr()) != (step, step):
         return None
     return dq.as_strided((B * T, 3 * C), (3 * C, 1))
 
