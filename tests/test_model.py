@@ -91,3 +91,19 @@ def test_fused_and_eager_models_agree(family):
     torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-5)
     for (name, pe), pf in zip(eager_model.named_parameters(), fused_model.parameters()):
         torch.testing.assert_close(pf.grad, pe.grad, rtol=1e-3, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("op", ["linear_gelu", "qkv_projection", "flash_attention",
+                                "layer_norm"])
+def test_ops_name_the_tensor_on_another_device(op):
+    from fusedtrain import ops
+
+    x, meta = torch.randn(1, 4, 8), dict(device="meta")
+    calls = {
+        "linear_gelu": lambda: ops.linear_gelu(x, torch.randn(6, 8, **meta)),
+        "qkv_projection": lambda: ops.qkv_projection(x, torch.randn(24, 8, **meta), None, 2),
+        "flash_attention": lambda: ops.flash_attention(x[None], x[None].to(**meta), x[None]),
+        "layer_norm": lambda: ops.layer_norm(x, torch.randn(8, **meta), None),
+    }
+    with pytest.raises(ValueError, match="is on meta"):
+        calls[op]()
