@@ -28,16 +28,22 @@ TANH_COEF = tl.constexpr(0.044715)
 
 APPROXIMATIONS = {"none": 0, "tanh": 1}
 FAST_TANH = tl.constexpr(2)  # the tanh form through tanh.approx (see gelu_mode)
+FAST_ERF = tl.constexpr(3)  # the erf form through one exp and one division (see normal_cdf)
 
 
 def gelu_mode(approximate: str, data: torch.Tensor) -> int:
-    """A kernel's APPROX constexpr for `approximate` on `data`: 0 erf, 1 tanh, or FAST_TANH
-    for the tanh form on 16-bit data on a GPU, where one tanh.approx.f32 (relative error
-    about 2**-11, under the bf16/fp16 output's rounding) replaces an exp and a division."""
+    """A kernel's APPROX constexpr for `approximate` on `data`: 0 erf, 1 tanh, or, for
+    16-bit data, a cheaper form whose error sits far below the output's rounding:
+    FAST_TANH (on a GPU), where one tanh.approx.f32 (relative error about 2**-11) replaces
+    an exp and a division, and FAST_ERF (GPU and interpreter), where normal_cdf's rational
+    form (absolute error 1.5e-7) replaces the erf, which costs as much as the rest of a
+    LayerNorm->GELU forward (docs/perf-notes.md, seventh round)."""
     mode = APPROXIMATIONS[approximate]
-    if mode == 1 and not INTERPRET and data.element_size() == 2:
-        return FAST_TANH.value
-    return mode
+    if data.element_size() != 2:
+        return mode
+    if mode == 0:
+        return FAST_ERF.value
+    return mode if INTERPRET else FAST_TANH.value
 
 
 def device_fn(fn):
@@ -97,14 +103,40 @@ def _tanh_arg(h):
     return SQRT_2_OVER_PI * (h + TANH_COEF * h * h * h)
 
 
+# Abramowitz & Stegun 7.1.26: erfc(z) = t P(t) exp(-z^2) + e(z), t = 1 / (1 + p z), z >= 0,
+# |e| <= 1.5e-7; below, P's coefficients are pre-halved (the GELU wants erfc / 2).
+AS_P = tl.constexpr(0.3275911)
+AS_A1 = tl.constexpr(0.254829592 / 2)
+AS_A2 = tl.constexpr(-0.284496736 / 2)
+AS_A3 = tl.constexpr(1.421413741 / 2)
+AS_A4 = tl.constexpr(-1.453152027 / 2)
+AS_A5 = tl.constexpr(1.061405429 / 2)
+
+
+@device_fn
+def normal_cdf(h):
+    """(Phi(h), exp(-h^2 / 2)) for FAST_ERF: the standard normal CDF from A&S's erfc form,
+    which needs one exp and one division where erf's polynomials need several times the
+    instructions. Phi(h) = erfc(-h / sqrt 2) / 2: for h < 0 the tail itself, no 1 - erf
+    cancellation. The exp is returned for the derivative, phi(h) = exp(-h^2 / 2) / sqrt(2 pi)."""
+    z = tl.abs(h) * INV_SQRT2
+    t = 1.0 / (1.0 + AS_P * z)
+    e = tl.exp(-z * z)
+    half_erfc = t * (AS_A1 + t * (AS_A2 + t * (AS_A3 + t * (AS_A4 + t * AS_A5)))) * e
+    return tl.where(h >= 0, 1.0 - half_erfc, half_erfc), e
+
+
 @device_fn
 def gelu(h, APPROX: tl.constexpr):
     """GELU of h (fp32 or fp64). APPROX=0: exact erf form; 1: tanh form, computed as
     h * sigmoid(2z) with z = sqrt(2/pi) (h + 0.044715 h^3), since 0.5 (1 + tanh z) = sigmoid(2z);
-    FAST_TANH: the tanh form with tanh_approx."""
+    FAST_TANH: the tanh form with tanh_approx; FAST_ERF: the erf form with normal_cdf."""
     if APPROX == FAST_TANH:
         z = _tanh_arg(h)
         return 0.5 * h * (1.0 + tanh_approx(z))
+    elif APPROX == FAST_ERF:
+        cdf, _ = normal_cdf(h)
+        return h * cdf
     elif APPROX:
         z = _tanh_arg(h)
         return h * sigmoid(2.0 * z)
@@ -120,6 +152,9 @@ def gelu_grad(h, APPROX: tl.constexpr):
         t = tanh_approx(z)
         dz = SQRT_2_OVER_PI * (1.0 + 3.0 * TANH_COEF * h * h)
         return 0.5 * (1.0 + t) + 0.5 * h * (1.0 - t * t) * dz
+    elif APPROX == FAST_ERF:
+        cdf, e = normal_cdf(h)
+        return cdf + h * INV_SQRT_2PI * e
     elif APPROX:
         z = _tanh_arg(h)
         s = sigmoid(2.0 * z)

@@ -3,7 +3,8 @@
 A grid of (P, column blocks) programs; program (p, j) adds up row tiles p, p + P, ... of
 column block j in an fp32 register tile (one reduction across its rows at the end, none
 per tile), and writes one row of a (P, N) partial-sum buffer, summed afterwards (P is a
-few hundred at most): no atomics, the same result run to run. Against PyTorch's
+few hundred at most) by the same kernel with one program per column block: no atomics,
+the same result run to run. Against PyTorch's
 `g.sum(0)` on an H200 (docs/perf-notes.md, sixth round): about as fast (52.8 vs 50.3 us
 at 16384 x 3072, 29.3 vs 34.7 at 16384 x 768) and exact in fp32 where `sum` rounds to
 bf16; the fused MLP's measured forward+backward peak fell by 100 MB when its two bias
@@ -23,6 +24,8 @@ from fusedtrain.kernels._common import acc_dtype, row_sum, sm_count, stat_dtype
 # load, enough in flight with the loop's loads issued three tiles ahead.
 _TILE = 8192
 _WARPS = 8
+# Up to this many rows, one pass: 2048 rows x 32 columns of fp32 per program at most.
+_SHORT = 2048
 
 
 @triton.jit
@@ -45,15 +48,19 @@ def bias_grad(g: torch.Tensor) -> torch.Tensor:
     if g.stride(-1) != 1:
         g = g.contiguous()
     M, N = g.shape
-    block_n = min(256, triton.next_power_of_2(N))
+    if M <= _SHORT:
+        # Few rows (a buffer of partial sums, this function's own included): one program per
+        # narrow column block reads whole columns, and its row is the result.
+        block_n = min(32, triton.next_power_of_2(N))
+        programs = 1
+    else:
+        block_n = min(256, triton.next_power_of_2(N))
+        # About four programs per SM in all (a few under the interpreter), each with rows.
+        wanted = 4 if INTERPRET else max(1, 4 * sm_count(g.device) // triton.cdiv(N, block_n))
+        programs = max(1, min(wanted, triton.cdiv(M, _TILE // block_n)))
     block_m = min(_TILE // block_n, triton.next_power_of_2(max(M, 1)))
-    col_blocks = triton.cdiv(N, block_n)
-    # About four programs per SM in all (a few under the interpreter), each with rows to do
-    # (one, writing zeros, when M = 0).
-    wanted = 4 if INTERPRET else max(1, 4 * sm_count(g.device) // col_blocks)
-    programs = max(1, min(wanted, triton.cdiv(M, block_m)))
     parts = torch.empty((programs, N), device=g.device, dtype=stat_dtype(g))
-    _column_sums_kernel[(programs, col_blocks)](
+    _column_sums_kernel[(programs, triton.cdiv(N, block_n))](
         g, parts, M, N, g.stride(0), ACC=acc_dtype(g), BLOCK_M=block_m, BLOCK_N=block_n,
         num_warps=_WARPS)
-    return parts.sum(0)
+    return parts[0] if programs == 1 else bias_grad(parts)

@@ -6,7 +6,7 @@ dtype; saves mean and rstd per row.
 Tiles (rows per program, warps): autotuned per (C, variant) over a few sizes (_row_tiles).
 Backward: a persistent grid of programs, each walking row tiles pid, pid + G, ... keeping
 its dW / db partial sums in fp32 registers; the (G, 2, C) partials are summed once at
-the end: no atomics on the hot path.
+the end, by bias_grad's column-sum kernel: no atomics on the hot path.
 GELU after the affine map is recomputed in backward from x and the saved statistics.
 """
 
@@ -27,6 +27,7 @@ from fusedtrain.kernels._common import (
     sm_count,
     stat_dtype,
 )
+from fusedtrain.kernels.bias_grad import bias_grad
 
 NO_GELU = -1
 MAX_C = 65536
@@ -72,18 +73,23 @@ def _ln_fwd_kernel(
     row_ok, col_ok = rows < M, cols < C
     mask = row_ok[:, None] & col_ok[None, :]
     r64 = rows.to(tl.int64)[:, None]
-    x = tl.load(x_ptr + r64 * s_x + cols[None, :], mask=mask, other=0.0).to(ACC)
+    # Rows are read once (evict first); w and b by every program (evict last).
+    x = tl.load(x_ptr + r64 * s_x + cols[None, :], mask=mask, other=0.0,
+                eviction_policy="evict_first").to(ACC)
     if HAS_RES:  # s = x + residual is the new residual stream, written once
-        x += tl.load(r_ptr + r64 * s_r + cols[None, :], mask=mask, other=0.0).to(ACC)
+        x += tl.load(r_ptr + r64 * s_r + cols[None, :], mask=mask, other=0.0,
+                     eviction_policy="evict_first").to(ACC)
         tl.store(s_ptr + r64 * s_s + cols[None, :], x.to(s_ptr.dtype.element_ty), mask=mask)
     mean = row_sum(x, 1) / C
     xc = tl.where(mask, x - mean[:, None], 0.0)
     rstd = 1.0 / tl.sqrt(row_sum(xc * xc, 1) / C + eps)
     y = xc * rstd[:, None]
     if HAS_W:
-        y = y * tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(ACC)[None, :]
+        y = y * tl.load(w_ptr + cols, mask=col_ok, other=0.0,
+                        eviction_policy="evict_last").to(ACC)[None, :]
     if HAS_B:
-        y = y + tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(ACC)[None, :]
+        y = y + tl.load(b_ptr + cols, mask=col_ok, other=0.0,
+                        eviction_policy="evict_last").to(ACC)[None, :]
     if GELU >= 0:
         y = gelu(y, GELU)
     tl.store(y_ptr + r64 * s_y + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
@@ -181,12 +187,13 @@ def layer_norm_fwd(x: torch.Tensor, residual: torch.Tensor | None, weight: torch
 
 
 def _num_programs(M: int, block_c: int, device: torch.device) -> int:
-    """Persistent grid size, whatever rows a program's tile holds: 2-8 programs per SM,
-    fewer the wider the rows (each writes a row of dW / db partials); a handful under the
-    interpreter."""
+    """Persistent grid size, whatever rows a program's tile holds: 4 programs per SM, 2 for
+    rows of 4096 and wider (each writes a row of dW / db partials; a sweep over 2, 4 and
+    8 on an H200 put these within 5% of the best at every benchmark shape, seventh round
+    of docs/perf-notes.md); a handful under the interpreter."""
     if INTERPRET:
         return min(M, 4)
-    return min(M, min(8, max(2, 16384 // block_c)) * sm_count(device))
+    return min(M, min(4, max(2, 8192 // block_c)) * sm_count(device))
 
 
 def layer_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None,
@@ -217,4 +224,5 @@ def layer_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | Non
         HAS_DX2=dx2 is not None, GELU=_gelu_code(approximate, dx), ACC=acc_dtype(x),
         BLOCK_C=block_c,
     )
-    return dx.view(x.shape), None if dx2 is None else dx2.view(x.shape), parts.sum(0)
+    sums = bias_grad(parts.view(G, 2 * C)).view(2, C)
+    return dx.view(x.shape), None if dx2 is None else dx2.view(x.shape), sums
