@@ -37,13 +37,33 @@ def test_gradcheck_layer_norm_gelu(approximate):
                      _inputs((3, 5, 13)), fast_mode=True)
 
 
-@pytest.mark.parametrize("C", [1023, 1500, 4095])
+@pytest.mark.parametrize("C", [1023, 1500, 4095, 768, 1280])  # the last two: chunked rows
 @pytest.mark.parametrize("op", ["layer_norm", "add_layer_norm", "layer_norm_gelu"])
 def test_fp32_accuracy_large_mean(C, op):
     inputs = list(_inputs((37, C), dtype=torch.float32, mean=1e3))
     if op == "add_layer_norm":
         inputs.insert(1, torch.randn(37, C).requires_grad_())
     check_against_oracle(getattr(ops, op), getattr(eager, op), inputs, 1e-5, 1e-3, op)
+
+
+@pytest.mark.parametrize("C,chunks", [(768, 3), (1280, 5), (1536, 3), (1024, 1), (1500, 1)])
+def test_forward_chunks_rows_without_padding(C, chunks):
+    """Rows of 3, 5 or 7 x 2^k (k >= 8) go through the forward in unpadded chunks, the
+    statistics merged chunk by chunk: mean, rstd, y and s equal the one-tile result in fp64,
+    with a large mean and a residual, rows with a tail tile."""
+    from fusedtrain.kernels import layernorm as K
+
+    assert K._row_chunks(C)["N_CHUNKS"] == chunks
+    x = (1e3 + torch.randn(21, C, dtype=F64)) * (1 + torch.arange(C, dtype=F64) / C)
+    r, w, b = torch.randn(21, C, dtype=F64), torch.randn(C, dtype=F64), torch.randn(C, dtype=F64)
+    y, s, mean, rstd = K.layer_norm_fwd(x, r, w, b, 1e-5, "none", F64, F64)
+    ref_s = x + r
+    torch.testing.assert_close(s, ref_s, rtol=0, atol=0)
+    torch.testing.assert_close(mean, ref_s.mean(-1), rtol=1e-12, atol=1e-12)
+    var = ref_s.var(-1, unbiased=False)
+    torch.testing.assert_close(rstd, (var + 1e-5).rsqrt(), rtol=1e-12, atol=1e-12)
+    ref_y = torch.nn.functional.gelu(torch.nn.functional.layer_norm(ref_s, (C,), w, b, 1e-5))
+    torch.testing.assert_close(y, ref_y, rtol=1e-12, atol=1e-12)
 
 
 def test_add_layer_norm_mixed_dtypes_under_autocast():

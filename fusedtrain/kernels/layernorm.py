@@ -1,8 +1,9 @@
 """LayerNorm family kernels: LayerNorm, residual-add + LayerNorm, LayerNorm -> GELU.
 
 Forward: each program normalises a tile of BLOCK_M rows x BLOCK_C (C padded to the next
-power of two and masked), statistics in fp32 (fp64 for fp64 data) whatever the input
-dtype; saves mean and rstd per row.
+power of two and masked), or, where C is 3, 5 or 7 times a power of two >= 256, the rows
+in that many unpadded chunks (_row_chunks); statistics in fp32 (fp64 for fp64 data)
+whatever the input dtype; saves mean and rstd per row.
 Tiles (rows per program, warps): autotuned per (C, variant) over a few sizes (_row_tiles).
 Backward: a persistent grid of programs, each walking row tiles pid, pid + G, ... keeping
 its dW / db partial sums in fp32 registers; the (G, 2, C) partials are summed once at
@@ -20,6 +21,7 @@ from fusedtrain.kernels import INTERPRET
 from fusedtrain.kernels._common import (
     acc_dtype,
     cached_autotune,
+    device_fn,
     gelu,
     gelu_grad,
     gelu_mode,
@@ -60,30 +62,28 @@ LOOP_CONFIGS = [triton.Config({**c.kwargs, "LOOP_STAGES": s}, num_warps=c.num_wa
                 for c in ROW_CONFIGS for s in (1, 3)]
 
 
-@cached_autotune(ROW_CONFIGS, key=["C", "HAS_RES", "GELU"], prune=_row_tiles)
-@triton.jit
-def _ln_fwd_kernel(
-    x_ptr, r_ptr, w_ptr, b_ptr, y_ptr, s_ptr, mean_ptr, rstd_ptr, M, C, eps,
-    s_x, s_r, s_y, s_s,
-    HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, GELU: tl.constexpr,
-    ACC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
-):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, BLOCK_C)
-    row_ok, col_ok = rows < M, cols < C
-    mask = row_ok[:, None] & col_ok[None, :]
-    r64 = rows.to(tl.int64)[:, None]
-    # Rows are read once (evict first); w and b by every program (evict last).
+@device_fn
+def _input_tile(x_ptr, r_ptr, s_ptr, r64, cols, mask, s_x, s_r, s_s,
+                HAS_RES: tl.constexpr, STORE_S: tl.constexpr, ACC: tl.constexpr):
+    """A (rows, cols) tile of the input, x + residual with HAS_RES (stored as the new
+    residual stream s if STORE_S). Rows are read once per pass (evict first)."""
     x = tl.load(x_ptr + r64 * s_x + cols[None, :], mask=mask, other=0.0,
                 eviction_policy="evict_first").to(ACC)
-    if HAS_RES:  # s = x + residual is the new residual stream, written once
+    if HAS_RES:
         x += tl.load(r_ptr + r64 * s_r + cols[None, :], mask=mask, other=0.0,
                      eviction_policy="evict_first").to(ACC)
-        tl.store(s_ptr + r64 * s_s + cols[None, :], x.to(s_ptr.dtype.element_ty), mask=mask)
-    mean = row_sum(x, 1) / C
-    xc = tl.where(mask, x - mean[:, None], 0.0)
-    rstd = 1.0 / tl.sqrt(row_sum(xc * xc, 1) / C + eps)
-    y = xc * rstd[:, None]
+        if STORE_S:
+            tl.store(s_ptr + r64 * s_s + cols[None, :], x.to(s_ptr.dtype.element_ty), mask=mask)
+    return x
+
+
+@device_fn
+def _affine_store(xhat, w_ptr, b_ptr, y_ptr, r64, cols, col_ok, mask, s_y,
+                  HAS_W: tl.constexpr, HAS_B: tl.constexpr, GELU: tl.constexpr,
+                  ACC: tl.constexpr):
+    """y = [gelu](xhat * w + b) for a tile of normalised values; w and b are read by every
+    program (evict last)."""
+    y = xhat
     if HAS_W:
         y = y * tl.load(w_ptr + cols, mask=col_ok, other=0.0,
                         eviction_policy="evict_last").to(ACC)[None, :]
@@ -93,6 +93,56 @@ def _ln_fwd_kernel(
     if GELU >= 0:
         y = gelu(y, GELU)
     tl.store(y_ptr + r64 * s_y + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@cached_autotune(ROW_CONFIGS, key=["C", "HAS_RES", "GELU"], prune=_row_tiles)
+@triton.jit
+def _ln_fwd_kernel(
+    x_ptr, r_ptr, w_ptr, b_ptr, y_ptr, s_ptr, mean_ptr, rstd_ptr, M, C, eps,
+    s_x, s_r, s_y, s_s,
+    HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, GELU: tl.constexpr,
+    ACC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, N_CHUNKS: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    r64 = rows.to(tl.int64)[:, None]
+    if N_CHUNKS == 1:  # the row in one tile, C padded to BLOCK_C
+        cols = tl.arange(0, BLOCK_C)
+        col_ok = cols < C
+        mask = row_ok[:, None] & col_ok[None, :]
+        x = _input_tile(x_ptr, r_ptr, s_ptr, r64, cols, mask, s_x, s_r, s_s,
+                        HAS_RES, True, ACC)
+        mean = row_sum(x, 1) / C
+        xc = tl.where(mask, x - mean[:, None], 0.0)
+        rstd = 1.0 / tl.sqrt(row_sum(xc * xc, 1) / C + eps)
+        _affine_store(xc * rstd[:, None], w_ptr, b_ptr, y_ptr, r64, cols, col_ok, mask, s_y,
+                      HAS_W, HAS_B, GELU, ACC)
+    else:
+        # C = N_CHUNKS x BLOCK_C exactly (e.g. 768 = 3 x 256): no padded lanes to compute.
+        # Pass 1 merges each chunk's mean and squared deviations into the row's (Chan et
+        # al.'s pairwise update, as stable as the two-pass form); pass 2 reads the chunks
+        # again (from cache) to normalise them.
+        mean = tl.full((BLOCK_M,), 0.0, ACC)
+        m2 = tl.full((BLOCK_M,), 0.0, ACC)
+        for j in tl.static_range(N_CHUNKS):
+            cols = j * BLOCK_C + tl.arange(0, BLOCK_C)
+            mask = row_ok[:, None] & (cols < C)[None, :]
+            x = _input_tile(x_ptr, r_ptr, s_ptr, r64, cols, mask, s_x, s_r, s_s,
+                            HAS_RES, True, ACC)
+            chunk_mean = row_sum(x, 1) / BLOCK_C
+            d = x - chunk_mean[:, None]
+            delta = chunk_mean - mean
+            mean += delta / (j + 1)
+            m2 += row_sum(d * d, 1) + delta * delta * (BLOCK_C * j / (j + 1))
+        rstd = 1.0 / tl.sqrt(m2 / C + eps)
+        for j in tl.static_range(N_CHUNKS):
+            cols = j * BLOCK_C + tl.arange(0, BLOCK_C)
+            col_ok = cols < C
+            mask = row_ok[:, None] & col_ok[None, :]
+            x = _input_tile(x_ptr, r_ptr, s_ptr, r64, cols, mask, s_x, s_r, s_s,
+                            HAS_RES, False, ACC)
+            _affine_store((x - mean[:, None]) * rstd[:, None], w_ptr, b_ptr, y_ptr, r64, cols,
+                          col_ok, mask, s_y, HAS_W, HAS_B, GELU, ACC)
     tl.store(mean_ptr + rows, mean.to(mean_ptr.dtype.element_ty), mask=row_ok)
     tl.store(rstd_ptr + rows, rstd.to(rstd_ptr.dtype.element_ty), mask=row_ok)
 
@@ -154,6 +204,17 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def _row_chunks(C: int) -> dict:
+    """The forward's BLOCK_C and N_CHUNKS: rows of C = 3, 5 or 7 x a power of two of at
+    least 256 (GPT-2's 768 = 3 x 256, 1280, 1536, 3072, 5120, ...) as that many unpadded
+    chunks; any other C as one tile padded to the next power of two (at C = 768 a quarter
+    of its lanes would be padding, computing a GELU for nothing)."""
+    chunk = C & -C  # the largest power of two dividing C
+    if chunk != C and chunk >= 256 and C // chunk <= 7:
+        return {"BLOCK_C": chunk, "N_CHUNKS": C // chunk}
+    return {"BLOCK_C": triton.next_power_of_2(C), "N_CHUNKS": 1}
+
+
 def _gelu_code(approximate: str | None, out: torch.Tensor) -> int:
     """GELU constexpr; the fast tanh only where `out` (what the GELU feeds) is 16-bit."""
     return NO_GELU if approximate is None else gelu_mode(approximate, out)
@@ -179,7 +240,7 @@ def layer_norm_fwd(x: torch.Tensor, residual: torch.Tensor | None, weight: torch
         y, s if residual is not None else y, mean, rstd, M, C, eps,
         x2.stride(0), r2.stride(0), y.stride(0), s.stride(0) if residual is not None else 0,
         HAS_RES=residual is not None, HAS_W=weight is not None, HAS_B=bias is not None,
-        GELU=_gelu_code(approximate, y), ACC=acc_dtype(x), BLOCK_C=triton.next_power_of_2(C),
+        GELU=_gelu_code(approximate, y), ACC=acc_dtype(x), **_row_chunks(C),
     )
     if residual is not None:
         s = s.view(x.shape)
