@@ -48,12 +48,13 @@ def test_fp32_accuracy_large_mean(C, op):
 
 @pytest.mark.parametrize("C,chunks", [(768, 3), (1280, 5), (1536, 3), (1024, 1), (1500, 1)])
 def test_forward_chunks_rows_without_padding(C, chunks):
-    """Rows of 3, 5 or 7 x 2^k (k >= 8) go through the forward in unpadded chunks, the
-    statistics merged chunk by chunk: mean, rstd, y and s equal the one-tile result in fp64,
-    with a large mean and a residual, rows with a tail tile."""
+    """With a GELU, rows of 3, 5 or 7 x 2^k (k >= 8) go through the forward in unpadded
+    chunks, the statistics merged chunk by chunk: mean, rstd, y and s equal the one-tile
+    result in fp64, with a large mean and a residual, rows with a tail tile."""
     from fusedtrain.kernels import layernorm as K
 
-    assert K._row_chunks(C)["N_CHUNKS"] == chunks
+    assert K._row_chunks(C, gelu=True)["N_CHUNKS"] == chunks
+    assert K._row_chunks(C, gelu=False)["N_CHUNKS"] == 1
     x = (1e3 + torch.randn(21, C, dtype=F64)) * (1 + torch.arange(C, dtype=F64) / C)
     r, w, b = torch.randn(21, C, dtype=F64), torch.randn(C, dtype=F64), torch.randn(C, dtype=F64)
     y, s, mean, rstd = K.layer_norm_fwd(x, r, w, b, 1e-5, "none", F64, F64)

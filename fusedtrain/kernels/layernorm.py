@@ -1,9 +1,9 @@
 """LayerNorm family kernels: LayerNorm, residual-add + LayerNorm, LayerNorm -> GELU.
 
 Forward: each program normalises a tile of BLOCK_M rows x BLOCK_C (C padded to the next
-power of two and masked), or, where C is 3, 5 or 7 times a power of two >= 256, the rows
-in that many unpadded chunks (_row_chunks); statistics in fp32 (fp64 for fp64 data)
-whatever the input dtype; saves mean and rstd per row.
+power of two and masked), or, for LayerNorm->GELU where C is 3, 5 or 7 times a power of
+two >= 256, the rows in that many unpadded chunks (_row_chunks); statistics in fp32
+(fp64 for fp64 data) whatever the input dtype; saves mean and rstd per row.
 Tiles (rows per program, warps): autotuned per (C, variant) over a few sizes (_row_tiles).
 Backward: a persistent grid of programs, each walking row tiles pid, pid + G, ... keeping
 its dW / db partial sums in fp32 registers; the (G, 2, C) partials are summed once at
@@ -204,13 +204,16 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _row_chunks(C: int) -> dict:
-    """The forward's BLOCK_C and N_CHUNKS: rows of C = 3, 5 or 7 x a power of two of at
-    least 256 (GPT-2's 768 = 3 x 256, 1280, 1536, 3072, 5120, ...) as that many unpadded
-    chunks; any other C as one tile padded to the next power of two (at C = 768 a quarter
-    of its lanes would be padding, computing a GELU for nothing)."""
+def _row_chunks(C: int, gelu: bool) -> dict:
+    """The forward's BLOCK_C and N_CHUNKS. With a GELU, rows of C = 3, 5 or 7 x a power of
+    two of at least 256 (GPT-2's 768 = 3 x 256, 1280, 1536, 3072, 5120, ...) go as that
+    many unpadded chunks: the GELU's arithmetic bounds that kernel, and at C = 768 a quarter
+    of a padded tile's lanes would compute it for nothing (H200: 28 -> 23 us at 16384 x 768).
+    Otherwise one tile padded to the next power of two: without a GELU the forward is bound
+    by memory, and the chunks' second read costs more than the padding (14 -> 15 us, and
+    28 -> 36 us with a residual, whose two inputs are read twice)."""
     chunk = C & -C  # the largest power of two dividing C
-    if chunk != C and chunk >= 256 and C // chunk <= 7:
+    if gelu and chunk != C and chunk >= 256 and C // chunk <= 7:
         return {"BLOCK_C": chunk, "N_CHUNKS": C // chunk}
     return {"BLOCK_C": triton.next_power_of_2(C), "N_CHUNKS": 1}
 
@@ -240,7 +243,8 @@ def layer_norm_fwd(x: torch.Tensor, residual: torch.Tensor | None, weight: torch
         y, s if residual is not None else y, mean, rstd, M, C, eps,
         x2.stride(0), r2.stride(0), y.stride(0), s.stride(0) if residual is not None else 0,
         HAS_RES=residual is not None, HAS_W=weight is not None, HAS_B=bias is not None,
-        GELU=_gelu_code(approximate, y), ACC=acc_dtype(x), **_row_chunks(C),
+        GELU=_gelu_code(approximate, y), ACC=acc_dtype(x),
+        **_row_chunks(C, approximate is not None),
     )
     if residual is not None:
         s = s.view(x.shape)
