@@ -2,13 +2,12 @@
 
 A grid of (P, column blocks) programs; program (p, j) adds up row tiles p, p + P, ... of
 column block j in an fp32 register tile (one reduction across its rows at the end, none
-per tile), and writes one row of a (P, N) partial-sum buffer, summed afterwards (P is a
-few hundred at most) by the same kernel with one program per column block: no atomics,
-the same result run to run. Against PyTorch's
-`g.sum(0)` on an H200 (docs/perf-notes.md, sixth round): about as fast (52.8 vs 50.3 us
-at 16384 x 3072, 29.3 vs 34.7 at 16384 x 768) and exact in fp32 where `sum` rounds to
-bf16; the fused MLP's measured forward+backward peak fell by 100 MB when its two bias
-reductions moved here (not attributed further).
+per tile), and writes one row of a (P, N) partial-sum buffer, which the same kernel then
+sums with one program per narrow column block (P is a few hundred at most): no atomics,
+the same result run to run. Against PyTorch's `g.sum(0)` on an H200 (docs/perf-notes.md,
+seventh round): 36.3 vs 40.4 us at 16384 x 3072, 16.4 vs 25.5 at 16384 x 768, and exact in
+fp32 where `sum` rounds to bf16; the fused MLP's measured forward+backward peak fell by
+100 MB when its two bias reductions moved here (sixth round; not attributed further).
 """
 
 from __future__ import annotations

@@ -219,7 +219,8 @@ def _row_chunks(C: int, gelu: bool) -> dict:
 
 
 def _gelu_code(approximate: str | None, out: torch.Tensor) -> int:
-    """GELU constexpr; the fast tanh only where `out` (what the GELU feeds) is 16-bit."""
+    """GELU constexpr (gelu_mode: its fast forms only where `out`, what the GELU feeds, is
+    16-bit)."""
     return NO_GELU if approximate is None else gelu_mode(approximate, out)
 
 
