@@ -46,6 +46,18 @@ def test_fp32_accuracy_large_mean(C, op):
     check_against_oracle(getattr(ops, op), getattr(eager, op), inputs, 1e-5, 1e-3, op)
 
 
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("C", [768, 1023])
+def test_fp16_layer_norm_gelu_within_eager_error(C, approximate):
+    """16-bit data takes the cheaper GELU forms (for "none", FAST_ERF, which the interpreter
+    runs too) and, at C = 768, the chunked forward: output and gradients still within
+    twice eager fp16's error against fp64."""
+    inputs = [t.detach().half().requires_grad_() for t in _inputs((53, C))]
+    check_against_oracle(lambda *a: ops.layer_norm_gelu(*a, approximate=approximate),
+                         lambda *a: eager.layer_norm_gelu(*a, approximate=approximate),
+                         inputs, 2e-3, 2e-2, "layer_norm_gelu fp16")
+
+
 @pytest.mark.parametrize("C,chunks", [(768, 3), (1280, 5), (1536, 3), (1024, 1), (1500, 1)])
 def test_forward_chunks_rows_without_padding(C, chunks):
     """With a GELU, rows of 3, 5 or 7 x 2^k (k >= 8) go through the forward in unpadded
