@@ -77,11 +77,21 @@ def test_compile_fullgraph_matches_eager():
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.skipif(shutil.which("g++") is None, reason="inductor on CPU needs a C++ compiler")
-def test_inductor_keeps_the_output_and_gradient_layouts():
-    """Inductor (not only aot_eager) takes the ops' non-contiguous output and gradient
-    layouts from their fake implementations: the QKV -> attention -> head merge chain
-    compiled matches eager in fp64, gradients included."""
+@pytest.mark.parametrize("backend", [
+    "aot_eager",
+    pytest.param("inductor", marks=pytest.mark.skipif(
+        shutil.which("g++") is None, reason="inductor on CPU needs a C++ compiler")),
+])
+def test_compiled_chain_keeps_the_layouts_and_the_packed_qkv_backward(backend, monkeypatch):
+    """The compilers take the ops' non-contiguous output and gradient layouts from their
+    fake implementations: the QKV -> attention -> head merge chain compiled matches eager
+    in fp64, gradients included, and the QKV backward still finds dq, dk, dv as one packed
+    matrix at run time (its strided kernels, the other path, are made to fail)."""
+    from fusedtrain.kernels import qkv as qkv_kernels
+
+    def refuse(*_):
+        raise AssertionError("the strided QKV backward ran: the packed layout was lost")
+
     B, T, C, H = 2, 9, 24, 3
     x, w, b, wp = (torch.randn(*s, dtype=F64, requires_grad=True)
                    for s in ((B, T, C), (3 * C, C), (3 * C,), (C, C)))
@@ -94,8 +104,10 @@ def test_inductor_keeps_the_output_and_gradient_layouts():
     def value_and_grads(out):
         return (out, *torch.autograd.grad(out, (x, w, b, wp)))
 
-    got = value_and_grads(torch.compile(chain, fullgraph=True)(x, w, b, wp))
     ref = value_and_grads(chain(x, w, b, wp, fused=False))
+    monkeypatch.setattr(qkv_kernels, "qkv_dx", refuse)
+    monkeypatch.setattr(qkv_kernels, "qkv_dw", refuse)
+    got = value_and_grads(torch.compile(chain, fullgraph=True, backend=backend)(x, w, b, wp))
     for a, r in zip(got, ref):
         torch.testing.assert_close(a, r)
 

@@ -8,9 +8,9 @@ from torch.utils.flop_counter import register_flop_formula
 from fusedtrain import eager
 from fusedtrain.kernels import qkv as K
 from fusedtrain.kernels._common import stat_dtype
+from fusedtrain.kernels.bias_grad import bias_grad
 from fusedtrain.ops._registry import launcher
 from fusedtrain.ops._validate import autocast_cast, check_same, check_tensor
-from fusedtrain.ops.bias_grad import column_sums
 
 Tensor = torch.Tensor
 
@@ -27,37 +27,9 @@ def _(x, weight, bias, n_heads):
     return tuple(x.new_empty((B, n_heads, T, C // n_heads)) for _ in range(3))
 
 
-@launcher("qkv_dx")
-def _qkv_dx(dq: Tensor, dk: Tensor, dv: Tensor, weight: Tensor) -> Tensor:
-    return K.qkv_dx(dq, dk, dv, weight)
-
-
-@_qkv_dx.register_fake
-def _(dq, dk, dv, weight):
-    B, H, T, D = dq.shape
-    return dq.new_empty((B, T, H * D))
-
-
-@launcher("qkv_dw")
-def _qkv_dw(dq: Tensor, dk: Tensor, dv: Tensor, x: Tensor) -> Tensor:
-    return K.qkv_dw(dq, dk, dv, x)
-
-
-@_qkv_dw.register_fake
-def _(dq, dk, dv, x):
-    C = x.shape[-1]
-    return dq.new_empty((3 * C, C))
-
-
 @register_flop_formula(torch.ops.fusedtrain.qkv_fwd)
 def _(x_shape, w_shape, *args, **kwargs) -> int:
     return 2 * x_shape[0] * x_shape[1] * x_shape[2] * w_shape[0]
-
-
-@register_flop_formula([torch.ops.fusedtrain.qkv_dx, torch.ops.fusedtrain.qkv_dw])
-def _(dq_shape, *args, **kwargs) -> int:
-    B, H, T, D = dq_shape
-    return 2 * B * T * (3 * H * D) * (H * D)
 
 
 def _same_layout(dq: Tensor, dk: Tensor, dv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -77,10 +49,7 @@ def _head_sums(g: Tensor) -> Tensor:
 def _packed(dq: Tensor, dk: Tensor, dv: Tensor) -> Tensor | None:
     """The (B*T, 3C) matrix [dq | dk | dv] (token rows, features (segment, head, d)) when
     the three are slices of one (B, T, 3, H, D) buffer, as the fused attention's backward
-    writes them (kernels.attention.grad_buffer); else None. Not under torch.compile, whose
-    fake tensors have no addresses."""
-    if torch.compiler.is_compiling():
-        return None
+    writes them (kernels.attention.grad_buffer); else None."""
     B, H, T, D = dq.shape
     C = H * D
     packed = (T * 3 * C, D, 3 * C, 1)
@@ -94,6 +63,40 @@ def _packed(dq: Tensor, dk: Tensor, dv: Tensor) -> Tensor | None:
     return dq.as_strided((B * T, 3 * C), (3 * C, 1))
 
 
+@launcher("qkv_bwd")
+def _qkv_bwd(dq: Tensor, dk: Tensor, dv: Tensor, x: Tensor, weight: Tensor,
+             with_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(dx, dW, db): db the fp32 (fp64) sums, empty unless with_bias. The layout is looked
+    at here, inside the op, so that torch.compile (whose fake tensors have no addresses)
+    makes the same choice at run time: dq, dk, dv as the fused attention writes them are
+    one (B*T, 3C) matrix, and the backward two cuBLAS GEMMs and a column sum on it; any
+    other layout goes through the strided Triton kernels, which read them in place."""
+    g = _packed(dq, dk, dv)
+    if g is not None:
+        dx = (g @ weight).view(x.shape)
+        dw = g.t() @ x.reshape(-1, x.shape[-1])
+        db = bias_grad(g) if with_bias else None
+    else:
+        dq, dk, dv = _same_layout(dq, dk, dv)
+        dx, dw = K.qkv_dx(dq, dk, dv, weight), K.qkv_dw(dq, dk, dv, x)
+        db = torch.cat([_head_sums(t) for t in (dq, dk, dv)]) if with_bias else None
+    return dx, dw, db if db is not None else dq.new_empty(0, dtype=stat_dtype(dq))
+
+
+@_qkv_bwd.register_fake
+def _(dq, dk, dv, x, weight, with_bias):
+    B, H, T, D = dq.shape
+    C = H * D
+    return (dq.new_empty((B, T, C)), dq.new_empty((3 * C, C)),
+            dq.new_empty(3 * C if with_bias else 0, dtype=stat_dtype(dq)))
+
+
+@register_flop_formula(torch.ops.fusedtrain.qkv_bwd)
+def _(dq_shape, *args, **kwargs) -> int:
+    B, H, T, D = dq_shape
+    return 2 * (2 * B * T * (3 * H * D) * (H * D))  # dx and dW
+
+
 class QKVProjectionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, n_heads: int):
@@ -104,19 +107,8 @@ class QKVProjectionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dq: Tensor, dk: Tensor, dv: Tensor):
         x, weight, bias = ctx.saved_tensors
-        g = _packed(dq, dk, dv)
-        if g is not None:
-            # The gradient of the packed output already lies in memory as one (B*T, 3C)
-            # matrix: the backward is two plain GEMMs and a column sum.
-            dx = (g @ weight).view(x.shape)
-            dw = g.t() @ x.reshape(-1, x.shape[-1])
-            db = None if bias is None else column_sums(g)
-        else:
-            dq, dk, dv = _same_layout(dq, dk, dv)
-            dx = _qkv_dx(dq, dk, dv, weight)
-            dw = _qkv_dw(dq, dk, dv, x)
-            db = None if bias is None else torch.cat([_head_sums(t) for t in (dq, dk, dv)])
-        return dx, dw, None if db is None else db.to(bias.dtype), None
+        dx, dw, db = _qkv_bwd(dq, dk, dv, x, weight, bias is not None)
+        return dx, dw, None if bias is None else db.to(bias.dtype), None
 
 
 def qkv_projection(x: Tensor, weight: Tensor, bias: Tensor | None,
