@@ -135,3 +135,18 @@ def test_adjacent_storages_are_not_one_buffer():
                   for i in range(3))
     assert dk.data_ptr() - dq.data_ptr() == 8 * C
     assert _packed(dq, dk, dv) is None
+
+
+def test_flop_counter_counts_forward_and_both_backward_gemms():
+    """FlopCounterMode sees the projection's three GEMMs (forward, dx, dW) once each,
+    whichever path the backward takes (packed cuBLAS or strided kernels)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    B, T, C, H = 2, 5, 12, 3
+    _, packed = _packed_grads(B, T, H, C // H)
+    x = torch.randn(B, T, C, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(3 * C, C, dtype=torch.float64, requires_grad=True)
+    for grads in (packed, tuple(g.contiguous() for g in packed)):
+        with FlopCounterMode(display=False) as counter:
+            torch.autograd.grad(ops.qkv_projection(x, w, None, H), (x, w), grads)
+        assert counter.get_total_flops() == 3 * 2 * B * T * C * 3 * C
