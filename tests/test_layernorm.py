@@ -50,7 +50,7 @@ def test_fp32_accuracy_large_mean(C, op):
 @pytest.mark.parametrize("C", [768, 1023])
 def test_fp16_layer_norm_gelu_within_eager_error(C, approximate):
     """16-bit data takes the cheaper GELU forms (for "none", FAST_ERF, which the interpreter
-    runs too) and, at C = 768, the forward's two tiles: output and gradients still within
+    runs too) and, at C = 768, the chunked forward: output and gradients still within
     twice eager fp16's error against fp64."""
     inputs = [t.detach().half().requires_grad_() for t in _inputs((53, C))]
     check_against_oracle(lambda *a: ops.layer_norm_gelu(*a, approximate=approximate),
@@ -58,17 +58,15 @@ def test_fp16_layer_norm_gelu_within_eager_error(C, approximate):
                          inputs, 2e-3, 2e-2, "layer_norm_gelu fp16")
 
 
-@pytest.mark.parametrize("C,parts", [(768, (512, 256)), (1280, (1024, 256)),
-                                     (1536, (1024, 512)), (1024, (1024, 0)),
-                                     (1500, (2048, 0)), (1792, (2048, 0))])
-def test_forward_splits_rows_into_two_unpadded_tiles(C, parts):
-    """With a GELU, rows of 2^a + 2^b columns (2^b >= 256) go through the forward as two
-    unpadded tiles: mean, rstd, y and s equal the one-tile result in fp64, with a large mean
-    and a residual, rows with a tail tile."""
+@pytest.mark.parametrize("C,chunks", [(768, 3), (1280, 5), (1536, 3), (1024, 1), (1500, 1)])
+def test_forward_chunks_rows_without_padding(C, chunks):
+    """With a GELU, rows of 3, 5 or 7 x 2^k (k >= 8) go through the forward in unpadded
+    chunks, the statistics merged chunk by chunk: mean, rstd, y and s equal the one-tile
+    result in fp64, with a large mean and a residual, rows with a tail tile."""
     from fusedtrain.kernels import layernorm as K
 
-    assert tuple(K._row_parts(C, gelu=True).values()) == parts
-    assert K._row_parts(C, gelu=False)["BLOCK_C2"] == 0
+    assert K._row_chunks(C, gelu=True)["N_CHUNKS"] == chunks
+    assert K._row_chunks(C, gelu=False)["N_CHUNKS"] == 1
     x = (1e3 + torch.randn(21, C, dtype=F64)) * (1 + torch.arange(C, dtype=F64) / C)
     r, w, b = torch.randn(21, C, dtype=F64), torch.randn(C, dtype=F64), torch.randn(C, dtype=F64)
     y, s, mean, rstd = K.layer_norm_fwd(x, r, w, b, 1e-5, "none", F64, F64)

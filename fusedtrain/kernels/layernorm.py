@@ -1,9 +1,9 @@
 """LayerNorm family kernels: LayerNorm, residual-add + LayerNorm, LayerNorm -> GELU.
 
 Forward: each program normalises a tile of BLOCK_M rows x BLOCK_C (C padded to the next
-power of two and masked), or, for LayerNorm->GELU where C is the sum of two powers of two
-(GPT-2's 768 = 512 + 256), two unpadded tiles of BLOCK_C and BLOCK_C2 columns (_row_parts);
-statistics in fp32 (fp64 for fp64 data) whatever the input dtype; saves mean and rstd.
+power of two and masked), or, for LayerNorm->GELU where C is 3, 5 or 7 times a power of
+two >= 256, the rows in that many unpadded chunks (_row_chunks); statistics in fp32
+(fp64 for fp64 data) whatever the input dtype; saves mean and rstd per row.
 Tiles (rows per program, warps): autotuned per (C, variant) over a few sizes (_row_tiles).
 Backward: a persistent grid of programs, each walking row tiles pid, pid + G, ... keeping
 its dW / db partial sums in fp32 registers; the (G, 2, C) partials are summed once at
@@ -35,24 +35,22 @@ NO_GELU = -1
 MAX_C = 65536
 
 
-def _row_tiles(configs: list[triton.Config], named_args: dict, BLOCK_C: int,
-               BLOCK_C2: int = 0, **_):
-    """The (BLOCK_M rows, num_warps[, LOOP_STAGES]) candidates for rows of BLOCK_C (+
-    BLOCK_C2) columns: on a GPU, tiles of up to 16K elements with up to 32 elements per thread (one
+def _row_tiles(configs: list[triton.Config], named_args: dict, BLOCK_C: int, **_):
+    """The (BLOCK_M rows, num_warps[, LOOP_STAGES]) candidates for rows of BLOCK_C (C
+    padded): on a GPU, tiles of up to 16K elements with up to 32 elements per thread (one
     row of 16 warps past that) and at least 8 and 2K in the backward (4 and 1K in the
     forward, where small tiles keep more rows in flight); a pipelined row loop only for
     tiles of up to 8K elements (its loads are buffered in shared memory). Under the
     interpreter, whose cost is per program, one tile of up to 64K."""
     looped = "LOOP_STAGES" in configs[0].kwargs
-    width = BLOCK_C + BLOCK_C2
     if INTERPRET:
-        rows = {"BLOCK_M": max(1, min(64, (1 << 16) // triton.next_power_of_2(width)))}
+        rows = {"BLOCK_M": max(1, min(64, (1 << 16) // BLOCK_C))}
         return [triton.Config({**rows, "LOOP_STAGES": 1} if looped else rows)]
     least = 8 if looped else 4
     fit = [c for c in configs
-           if 256 * least <= c.kwargs["BLOCK_M"] * width <= 16384
-           and least <= c.kwargs["BLOCK_M"] * width // (32 * c.num_warps) <= 32
-           and (c.kwargs.get("LOOP_STAGES", 1) == 1 or c.kwargs["BLOCK_M"] * width <= 8192)]
+           if 256 * least <= c.kwargs["BLOCK_M"] * BLOCK_C <= 16384
+           and least <= c.kwargs["BLOCK_M"] * BLOCK_C // (32 * c.num_warps) <= 32
+           and (c.kwargs.get("LOOP_STAGES", 1) == 1 or c.kwargs["BLOCK_M"] * BLOCK_C <= 8192)]
     one_row = {"BLOCK_M": 1, "LOOP_STAGES": 1} if looped else {"BLOCK_M": 1}
     return fit or [triton.Config(one_row, num_warps=16)]
 
@@ -68,15 +66,16 @@ LOOP_CONFIGS = [triton.Config({**c.kwargs, "LOOP_STAGES": s}, num_warps=c.num_wa
 
 @device_fn
 def _input_tile(x_ptr, r_ptr, s_ptr, r64, cols, mask, s_x, s_r, s_s,
-                HAS_RES: tl.constexpr, ACC: tl.constexpr):
+                HAS_RES: tl.constexpr, STORE_S: tl.constexpr, ACC: tl.constexpr):
     """A (rows, cols) tile of the input, x + residual with HAS_RES (stored as the new
-    residual stream s). Rows are read once (evict first)."""
+    residual stream s if STORE_S). Rows are read once per pass (evict first)."""
     x = tl.load(x_ptr + r64 * s_x + cols[None, :], mask=mask, other=0.0,
                 eviction_policy="evict_first").to(ACC)
     if HAS_RES:
         x += tl.load(r_ptr + r64 * s_r + cols[None, :], mask=mask, other=0.0,
                      eviction_policy="evict_first").to(ACC)
-        tl.store(s_ptr + r64 * s_s + cols[None, :], x.to(s_ptr.dtype.element_ty), mask=mask)
+        if STORE_S:
+            tl.store(s_ptr + r64 * s_s + cols[None, :], x.to(s_ptr.dtype.element_ty), mask=mask)
     return x
 
 
@@ -98,41 +97,54 @@ def _affine_store(xhat, w_ptr, b_ptr, y_ptr, r64, cols, col_ok, mask, s_y,
     tl.store(y_ptr + r64 * s_y + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-@cached_autotune(ROW_CONFIGS, key=["C", "HAS_RES", "GELU", "BLOCK_C2"], prune=_row_tiles)
+@cached_autotune(ROW_CONFIGS, key=["C", "HAS_RES", "GELU"], prune=_row_tiles)
 @triton.jit
 def _ln_fwd_kernel(
     x_ptr, r_ptr, w_ptr, b_ptr, y_ptr, s_ptr, mean_ptr, rstd_ptr, M, C, eps,
     s_x, s_r, s_y, s_s,
     HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, GELU: tl.constexpr,
-    ACC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_C2: tl.constexpr,
+    ACC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, N_CHUNKS: tl.constexpr,
 ):
-    # Columns [0, BLOCK_C) (C padded to BLOCK_C if BLOCK_C2 == 0), and with BLOCK_C2 the
-    # rest of the row, [BLOCK_C, C = BLOCK_C + BLOCK_C2), as a second register tile.
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
     r64 = rows.to(tl.int64)[:, None]
-    cols = tl.arange(0, BLOCK_C)
-    col_ok = cols < C
-    mask = row_ok[:, None] & col_ok[None, :]
-    x = _input_tile(x_ptr, r_ptr, s_ptr, r64, cols, mask, s_x, s_r, s_s, HAS_RES, ACC)
-    total = row_sum(x, 1)
-    if BLOCK_C2:
-        cols2 = BLOCK_C + tl.arange(0, BLOCK_C2)
-        mask2 = row_ok[:, None] & (cols2 < C)[None, :]
-        x2 = _input_tile(x_ptr, r_ptr, s_ptr, r64, cols2, mask2, s_x, s_r, s_s, HAS_RES, ACC)
-        total += row_sum(x2, 1)
-    mean = total / C
-    xc = tl.where(mask, x - mean[:, None], 0.0)
-    sq = row_sum(xc * xc, 1)
-    if BLOCK_C2:
-        xc2 = x2 - mean[:, None]
-        sq += row_sum(xc2 * xc2, 1)
-    rstd = 1.0 / tl.sqrt(sq / C + eps)
-    _affine_store(xc * rstd[:, None], w_ptr, b_ptr, y_ptr, r64, cols, col_ok, mask, s_y,
-                  HAS_W, HAS_B, GELU, ACC)
-    if BLOCK_C2:
-        _affine_store(xc2 * rstd[:, None], w_ptr, b_ptr, y_ptr, r64, cols2, cols2 < C, mask2,
-                      s_y, HAS_W, HAS_B, GELU, ACC)
+    if N_CHUNKS == 1:  # the row in one tile, C padded to BLOCK_C
+        cols = tl.arange(0, BLOCK_C)
+        col_ok = cols < C
+        mask = row_ok[:, None] & col_ok[None, :]
+        x = _input_tile(x_ptr, r_ptr, s_ptr, r64, cols, mask, s_x, s_r, s_s,
+                        HAS_RES, True, ACC)
+        mean = row_sum(x, 1) / C
+        xc = tl.where(mask, x - mean[:, None], 0.0)
+        rstd = 1.0 / tl.sqrt(row_sum(xc * xc, 1) / C + eps)
+        _affine_store(xc * rstd[:, None], w_ptr, b_ptr, y_ptr, r64, cols, col_ok, mask, s_y,
+                      HAS_W, HAS_B, GELU, ACC)
+    else:
+        # C = N_CHUNKS x BLOCK_C exactly (e.g. 768 = 3 x 256): no padded lanes to compute.
+        # Pass 1 merges each chunk's mean and squared deviations into the row's (Chan et
+        # al.'s pairwise update, as stable as the two-pass form); pass 2 reads the chunks
+        # again (from cache) to normalise them.
+        mean = tl.full((BLOCK_M,), 0.0, ACC)
+        m2 = tl.full((BLOCK_M,), 0.0, ACC)
+        for j in tl.static_range(N_CHUNKS):
+            cols = j * BLOCK_C + tl.arange(0, BLOCK_C)
+            mask = row_ok[:, None] & (cols < C)[None, :]
+            x = _input_tile(x_ptr, r_ptr, s_ptr, r64, cols, mask, s_x, s_r, s_s,
+                            HAS_RES, True, ACC)
+            chunk_mean = row_sum(x, 1) / BLOCK_C
+            d = x - chunk_mean[:, None]
+            delta = chunk_mean - mean
+            mean += delta / (j + 1)
+            m2 += row_sum(d * d, 1) + delta * delta * (BLOCK_C * j / (j + 1))
+        rstd = 1.0 / tl.sqrt(m2 / C + eps)
+        for j in tl.static_range(N_CHUNKS):
+            cols = j * BLOCK_C + tl.arange(0, BLOCK_C)
+            col_ok = cols < C
+            mask = row_ok[:, None] & col_ok[None, :]
+            x = _input_tile(x_ptr, r_ptr, s_ptr, r64, cols, mask, s_x, s_r, s_s,
+                            HAS_RES, False, ACC)
+            _affine_store((x - mean[:, None]) * rstd[:, None], w_ptr, b_ptr, y_ptr, r64, cols,
+                          col_ok, mask, s_y, HAS_W, HAS_B, GELU, ACC)
     tl.store(mean_ptr + rows, mean.to(mean_ptr.dtype.element_ty), mask=row_ok)
     tl.store(rstd_ptr + rows, rstd.to(rstd_ptr.dtype.element_ty), mask=row_ok)
 
@@ -194,15 +206,18 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _row_parts(C: int, gelu: bool) -> dict:
-    """The forward's BLOCK_C and BLOCK_C2. With a GELU, rows of C = 2^a + 2^b, 2^b >= 256
-    (GPT-2's 768 = 512 + 256, 1280, 1536, 3072, 5120, ...) go as two unpadded tiles: the
-    GELU's arithmetic bounds that kernel, and at C = 768 a quarter of a padded tile's lanes
-    would compute it for nothing. Otherwise one tile padded to the next power of two."""
-    low = C & -C  # the lowest set bit
-    if gelu and low >= 256 and (C - low) & (C - low - 1) == 0 and C != low:
-        return {"BLOCK_C": C - low, "BLOCK_C2": low}
-    return {"BLOCK_C": triton.next_power_of_2(C), "BLOCK_C2": 0}
+def _row_chunks(C: int, gelu: bool) -> dict:
+    """The forward's BLOCK_C and N_CHUNKS. With a GELU, rows of C = 3, 5 or 7 x a power of
+    two of at least 256 (GPT-2's 768 = 3 x 256, 1280, 1536, 3072, 5120, ...) go as that
+    many unpadded chunks: the GELU's arithmetic bounds that kernel, and at C = 768 a quarter
+    of a padded tile's lanes would compute it for nothing (H200: 28 -> 23 us at 16384 x 768).
+    Otherwise one tile padded to the next power of two: without a GELU the forward is bound
+    by memory, and the chunks' second read costs more than the padding (14 -> 15 us, and
+    28 -> 36 us with a residual, whose two inputs are read twice)."""
+    chunk = C & -C  # the largest power of two dividing C
+    if gelu and chunk != C and chunk >= 256 and C // chunk <= 7:
+        return {"BLOCK_C": chunk, "N_CHUNKS": C // chunk}
+    return {"BLOCK_C": triton.next_power_of_2(C), "N_CHUNKS": 1}
 
 
 def _gelu_code(approximate: str | None, out: torch.Tensor) -> int:
@@ -232,7 +247,7 @@ def layer_norm_fwd(x: torch.Tensor, residual: torch.Tensor | None, weight: torch
         x2.stride(0), r2.stride(0), y.stride(0), s.stride(0) if residual is not None else 0,
         HAS_RES=residual is not None, HAS_W=weight is not None, HAS_B=bias is not None,
         GELU=_gelu_code(approximate, y), ACC=acc_dtype(x),
-        **_row_parts(C, approximate is not None),
+        **_row_chunks(C, approximate is not None),
     )
     if residual is not None:
         s = s.view(x.shape)
