@@ -12,6 +12,7 @@ import lightning as L
 import torch
 
 from fusedtrain.model import GPT, GPTConfig
+from fusedtrain.ops import register_inductor_fallbacks
 
 # Dense bf16 tensor-core peaks (FLOP/s) by device-name fragment, for MFU.
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L4": 121e12, "A10": 125e12}
@@ -125,6 +126,8 @@ class GPTModule(L.LightningModule):
         # torch.compile wraps the whole loss function (a compiled module would compile
         # only forward, not `.loss`); it holds no parameters of its own, so checkpoints
         # hold them once, under `model.`, whether or not the model was compiled.
+        if compile:
+            register_inductor_fallbacks()
         self._loss_fn = torch.compile(self.model.loss) if compile else self.model.loss
         self.cuda_graph = cuda_graph
         # (batch shape, graphed loss), made at the first training step; a tuple, so that

@@ -293,6 +293,8 @@ def train_setup(model_name: str, batch: int, seq: int, n_batches: int, variant: 
     torch.manual_seed(0)
     model = GPT(cfg).to(device)
     mode = variant["compile"]
+    if mode:
+        ops.register_inductor_fallbacks()
     loss_fn = torch.compile(model.loss, mode=None if mode == "default" else mode) if mode \
         else model.loss
     graphs = mode == "reduce-overhead"

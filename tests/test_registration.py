@@ -2,6 +2,9 @@
 autograd registration, AOT dispatch with dynamic shapes) with the arguments the public
 ops really give it in a forward and backward pass: what torch.compile relies on."""
 
+import logging
+import shutil
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -57,3 +60,36 @@ def test_opcheck(name, first_calls):
     func, args, kwargs = first_calls[name]
     args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
     torch.library.opcheck(func, args, kwargs)
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="inductor on CPU needs a C++ compiler")
+def test_inductor_never_formats_an_op_for_an_implicit_fallback(monkeypatch):
+    """After register_inductor_fallbacks every fusedtrain:: op has a lowering, so Inductor
+    never builds the implicit fallback's log message for one (torch 2.11 builds it at any
+    log level, formatting the op's whole input IR: minutes for a 12-layer GPT). Logging at
+    INFO makes even a lazy message get built, so the test fails without the fallbacks."""
+    from torch._inductor import exc, lowering
+
+    formatted = []
+    operator_str = exc.OperatorIssue.operator_str
+    monkeypatch.setattr(exc.OperatorIssue, "operator_str", staticmethod(
+        lambda target, args, kwargs: formatted.append(str(target))
+        or operator_str(target, args, kwargs)))
+    ops.register_inductor_fallbacks()
+    assert all(getattr(torch.ops.fusedtrain, n.split("::")[1]).default in lowering.lowerings
+               for n in OPS)
+    x, w, b = torch.randn(3, 5, 16), torch.randn(16), torch.randn(16)
+    wl, bl = torch.randn(8, 16, requires_grad=True), torch.randn(8)
+
+    def f(x):
+        return ops.linear_gelu(ops.layer_norm(x, w, b), wl, bl).sum()
+
+    torch._logging.set_logs(inductor=logging.INFO)
+    try:
+        with torch._inductor.config.patch(force_disable_caches=True):  # lower, not load
+            out = torch.compile(f, fullgraph=True)(x)
+            out.backward()
+    finally:
+        torch._logging.set_logs()
+    torch.testing.assert_close(out, f(x))
+    assert not [t for t in formatted if "fusedtrain" in t]

@@ -1,6 +1,7 @@
 """The public fused ops (see DESIGN.md): each a differentiable op over Triton kernels,
 with a twin of the same name and semantics in `fusedtrain.eager`."""
 
+from fusedtrain.ops._registry import register_inductor_fallbacks
 from fusedtrain.ops.attention import flash_attention
 from fusedtrain.ops.cross_entropy import cross_entropy
 from fusedtrain.ops.layernorm import add_layer_norm, layer_norm, layer_norm_gelu
@@ -9,5 +10,5 @@ from fusedtrain.ops.qkv import qkv_projection
 
 __all__ = [
     "add_layer_norm", "cross_entropy", "flash_attention", "fused_mlp", "layer_norm",
-    "layer_norm_gelu", "linear_gelu", "qkv_projection",
+    "layer_norm_gelu", "linear_gelu", "qkv_projection", "register_inductor_fallbacks",
 ]

@@ -14,6 +14,29 @@ def dispatcher_needed() -> bool:
     return torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None
 
 
+_OP_NAMES: list[str] = []  # every fusedtrain:: op, in registration order
+
+
+def register_inductor_fallbacks() -> None:
+    """Give torch.compile's Inductor an explicit fallback for every fusedtrain:: op, with
+    the layout rule (the op's tag, or Inductor's default) its implicit fallback would use.
+    Call before compiling a model that uses the ops; repeated calls are free.
+
+    Why: for an op it has no lowering for, Inductor (torch 2.11, the GPU image's) formats
+    the op and its whole input IR into a log message before creating the implicit
+    fallback, at any log level; in a 12-layer GPT that IR is deep and the formatting
+    recursive: compiling the fused gpt2 step took over 300 s on an H200 host, the main
+    thread inside ir.py's __str__ (docs/perf-notes.md, eighth round)."""
+    from torch._inductor import lowering
+    from torch._library.utils import get_layout_constraint_tag
+
+    for name in _OP_NAMES:
+        op = getattr(torch.ops.fusedtrain, name).default
+        if op not in lowering.lowerings:
+            tag = get_layout_constraint_tag(op, with_default=True)
+            lowering.make_fallback(op, layout_constraint=lowering.tag_to_layout_constraint(tag))
+
+
 def launcher(name: str) -> Callable[[Callable], Callable]:
     """Register fn as the custom op `fusedtrain::name` (opaque to torch.compile, visible to
     FlopCounterMode) and return a caller. In plain eager execution the caller runs fn
@@ -22,6 +45,7 @@ def launcher(name: str) -> Callable[[Callable], Callable]:
 
     def decorate(fn: Callable) -> Callable:
         op = torch.library.custom_op(f"fusedtrain::{name}", mutates_args=())(fn)
+        _OP_NAMES.append(name)
 
         def call(*args):
             return op(*args) if dispatcher_needed() else fn(*args)
