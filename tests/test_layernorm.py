@@ -79,29 +79,6 @@ def test_forward_chunks_rows_without_padding(C, chunks):
     torch.testing.assert_close(y, ref_y, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("C", [96, 768])
-def test_forward_programs_loop_over_row_tiles(C):
-    """Forward programs walk row tiles pid, pid + G, ... (on a GPU a persistent grid when
-    the loop prefetches; under the interpreter 4 programs): with many more rows than
-    programs, a partial last tile and a residual, every row's outputs and statistics
-    match fp64."""
-    from fusedtrain.kernels import layernorm as K
-
-    M = 64 * 9 + 7
-    x, r = torch.randn(M, C, dtype=F64), torch.randn(M, C, dtype=F64)
-    w, b = torch.randn(C, dtype=F64), torch.randn(C, dtype=F64)
-    for approximate in (None, "none"):
-        y, s, mean, rstd = K.layer_norm_fwd(x, r, w, b, 1e-5, approximate, F64, F64)
-        ref_s = x + r
-        ref = torch.nn.functional.layer_norm(ref_s, (C,), w, b, 1e-5)
-        ref = ref if approximate is None else torch.nn.functional.gelu(ref)
-        torch.testing.assert_close(s, ref_s, rtol=0, atol=0)
-        torch.testing.assert_close(y, ref, rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(mean, ref_s.mean(-1), rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(rstd, (ref_s.var(-1, unbiased=False) + 1e-5).rsqrt(),
-                                   rtol=1e-12, atol=1e-12)
-
-
 def test_add_layer_norm_mixed_dtypes_under_autocast():
     """The model's case: a bf16 sublayer output added onto the fp32 residual stream. Each
     input gets the gradient in its own dtype, both written by the one backward pass."""

@@ -1,11 +1,10 @@
 """LayerNorm family kernels: LayerNorm, residual-add + LayerNorm, LayerNorm -> GELU.
 
-Forward: each program normalises tiles of BLOCK_M rows x BLOCK_C (C padded to the next
+Forward: each program normalises a tile of BLOCK_M rows x BLOCK_C (C padded to the next
 power of two and masked), or, for LayerNorm->GELU where C is 3, 5 or 7 times a power of
 two >= 256, the rows in that many unpadded chunks (_row_chunks); statistics in fp32
 (fp64 for fp64 data) whatever the input dtype; saves mean and rstd per row.
-Tiles (rows per program, warps, and whether a persistent program prefetches its next
-tiles): autotuned per (C, variant) over a few sizes (_row_tiles, _grid).
+Tiles (rows per program, warps): autotuned per (C, variant) over a few sizes (_row_tiles).
 Backward: a persistent grid of programs, each walking row tiles pid, pid + G, ... keeping
 its dW / db partial sums in fp32 registers; the (G, 2, C) partials are summed once at
 the end, by bias_grad's column-sum kernel: no atomics on the hot path.
@@ -36,43 +35,33 @@ NO_GELU = -1
 MAX_C = 65536
 
 
-def _row_tiles(configs: list[triton.Config], named_args: dict, BLOCK_C: int, **kw):
-    """The (BLOCK_M rows, num_warps, LOOP_STAGES) candidates for rows of BLOCK_C (C padded,
-    or a chunk): on a GPU, tiles of up to 16K elements with up to 32 elements per thread
-    (one row of 16 warps past that) and at least 8 and 2K in the backward (4 and 1K in
-    the forward, where small tiles keep more rows in flight); a pipelined row loop only
-    for tiles of up to 8K elements (its loads are buffered in shared memory). Under the
+def _row_tiles(configs: list[triton.Config], named_args: dict, BLOCK_C: int, **_):
+    """The (BLOCK_M rows, num_warps[, LOOP_STAGES]) candidates for rows of BLOCK_C (C
+    padded): on a GPU, tiles of up to 16K elements with up to 32 elements per thread (one
+    row of 16 warps past that) and at least 8 and 2K in the backward (4 and 1K in the
+    forward, where small tiles keep more rows in flight); a pipelined row loop only for
+    tiles of up to 8K elements (its loads are buffered in shared memory). Under the
     interpreter, whose cost is per program, one tile of up to 64K."""
+    looped = "LOOP_STAGES" in configs[0].kwargs
     if INTERPRET:
-        return [triton.Config({"BLOCK_M": max(1, min(64, (1 << 16) // BLOCK_C)),
-                               "LOOP_STAGES": 1})]
-    least = 4 if "N_CHUNKS" in kw else 8  # the forward's launch passes N_CHUNKS
+        rows = {"BLOCK_M": max(1, min(64, (1 << 16) // BLOCK_C))}
+        return [triton.Config({**rows, "LOOP_STAGES": 1} if looped else rows)]
+    least = 8 if looped else 4
     fit = [c for c in configs
            if 256 * least <= c.kwargs["BLOCK_M"] * BLOCK_C <= 16384
            and least <= c.kwargs["BLOCK_M"] * BLOCK_C // (32 * c.num_warps) <= 32
-           and (c.kwargs["LOOP_STAGES"] == 1 or c.kwargs["BLOCK_M"] * BLOCK_C <= 8192)]
-    return fit or [triton.Config({"BLOCK_M": 1, "LOOP_STAGES": 1}, num_warps=16)]
+           and (c.kwargs.get("LOOP_STAGES", 1) == 1 or c.kwargs["BLOCK_M"] * BLOCK_C <= 8192)]
+    one_row = {"BLOCK_M": 1, "LOOP_STAGES": 1} if looped else {"BLOCK_M": 1}
+    return fit or [triton.Config(one_row, num_warps=16)]
 
 
-# Row tiles, walked by a loop over tiles pid, pid + G, ...; LOOP_STAGES > 1 issues the
-# loop's loads that many tiles ahead (tl.range's num_stages pipelines loads that feed no
-# dot, which a kernel's num_stages does not) on a persistent grid (_grid).
-LOOP_CONFIGS = [triton.Config({"BLOCK_M": m, "LOOP_STAGES": s}, num_warps=w)
-                for m in (1, 2, 4, 8, 16) for w in (4, 8, 16) for s in (1, 3)]
-
-
-def _grid(M: int, device: torch.device):
-    """Programs for M rows: one per tile without pipelining; with it, 4 per SM (2 for
-    tiles of 4096 columns and more), each looping over its tiles; a handful under the
-    interpreter (so that its tests walk the loop)."""
-    def grid(meta: dict) -> tuple[int]:
-        tiles = triton.cdiv(M, meta["BLOCK_M"])
-        if INTERPRET:
-            return (min(tiles, 4),)
-        if meta["LOOP_STAGES"] == 1:
-            return (tiles,)
-        return (min(tiles, _num_programs(M, meta["BLOCK_C"], device)),)
-    return grid
+ROW_CONFIGS = [triton.Config({"BLOCK_M": m}, num_warps=w)
+               for m in (1, 2, 4, 8, 16) for w in (4, 8, 16)]
+# The backward's persistent loop over row tiles, also with its loads issued 3 tiles ahead
+# (tl.range's num_stages pipelines loads that feed no dot, which a kernel's num_stages
+# does not).
+LOOP_CONFIGS = [triton.Config({**c.kwargs, "LOOP_STAGES": s}, num_warps=c.num_warps)
+                for c in ROW_CONFIGS for s in (1, 3)]
 
 
 @device_fn
@@ -108,15 +97,15 @@ def _affine_store(xhat, w_ptr, b_ptr, y_ptr, r64, cols, col_ok, mask, s_y,
     tl.store(y_ptr + r64 * s_y + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-@device_fn
-def _ln_fwd_rows(
-    start, x_ptr, r_ptr, w_ptr, b_ptr, y_ptr, s_ptr, mean_ptr, rstd_ptr, M, C, eps,
+@cached_autotune(ROW_CONFIGS, key=["C", "HAS_RES", "GELU"], prune=_row_tiles)
+@triton.jit
+def _ln_fwd_kernel(
+    x_ptr, r_ptr, w_ptr, b_ptr, y_ptr, s_ptr, mean_ptr, rstd_ptr, M, C, eps,
     s_x, s_r, s_y, s_s,
     HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, GELU: tl.constexpr,
     ACC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, N_CHUNKS: tl.constexpr,
 ):
-    """The forward of rows [start, start + BLOCK_M)."""
-    rows = start + tl.arange(0, BLOCK_M)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
     r64 = rows.to(tl.int64)[:, None]
     if N_CHUNKS == 1:  # the row in one tile, C padded to BLOCK_C
@@ -158,22 +147,6 @@ def _ln_fwd_rows(
                           col_ok, mask, s_y, HAS_W, HAS_B, GELU, ACC)
     tl.store(mean_ptr + rows, mean.to(mean_ptr.dtype.element_ty), mask=row_ok)
     tl.store(rstd_ptr + rows, rstd.to(rstd_ptr.dtype.element_ty), mask=row_ok)
-
-
-@cached_autotune(LOOP_CONFIGS, key=["C", "HAS_RES", "GELU"], prune=_row_tiles)
-@triton.jit
-def _ln_fwd_kernel(
-    x_ptr, r_ptr, w_ptr, b_ptr, y_ptr, s_ptr, mean_ptr, rstd_ptr, M, C, eps,
-    s_x, s_r, s_y, s_s,
-    HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, GELU: tl.constexpr,
-    ACC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, N_CHUNKS: tl.constexpr,
-    LOOP_STAGES: tl.constexpr,
-):
-    for start in tl.range(tl.program_id(0) * BLOCK_M, M, tl.num_programs(0) * BLOCK_M,
-                          num_stages=LOOP_STAGES):
-        _ln_fwd_rows(start, x_ptr, r_ptr, w_ptr, b_ptr, y_ptr, s_ptr, mean_ptr, rstd_ptr,
-                     M, C, eps, s_x, s_r, s_y, s_s, HAS_RES, HAS_W, HAS_B, GELU, ACC,
-                     BLOCK_M, BLOCK_C, N_CHUNKS)
 
 
 @cached_autotune(LOOP_CONFIGS, key=["C", "HAS_DS", "HAS_DX2", "GELU"], prune=_row_tiles)
@@ -268,7 +241,7 @@ def layer_norm_fwd(x: torch.Tensor, residual: torch.Tensor | None, weight: torch
     r2 = _rows(residual) if residual is not None else x2
     s = torch.empty((M, C) if residual is not None else (0, C), device=x.device,
                     dtype=stream_dtype)
-    _ln_fwd_kernel[_grid(M, x.device)](
+    _ln_fwd_kernel[lambda meta: (triton.cdiv(M, meta["BLOCK_M"]),)](
         x2, r2, weight if weight is not None else x2, bias if bias is not None else x2,
         y, s if residual is not None else y, mean, rstd, M, C, eps,
         x2.stride(0), r2.stride(0), y.stride(0), s.stride(0) if residual is not None else 0,
