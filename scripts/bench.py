@@ -40,6 +40,7 @@ DTYPE = torch.bfloat16
 
 
 GRAPH_TIMING = False  # kernels --graph: time CUDA-graph replays, without the host's cost
+GELU_FORM = "tanh"  # kernels --approximate: the GELU of the Linear+GELU and MLP rows
 
 
 def bench(fn, warmup=25, rep=100) -> float:
@@ -89,8 +90,8 @@ def bench_linear_gelu(rows: list[dict]) -> None:
         x, w, b = randn(M, K), randn(N, K, scale=K ** -0.5), randn(N)
         w2, b2 = randn(K, N, scale=N ** -0.5), randn(K)
         shape = f"M={M} K={K} N={N}"
-        lg = lambda f: (lambda x, w, b: f(x, w, b, "tanh"))  # noqa: E731
-        mlp = lambda f: (lambda *a: f(*a, "tanh"))  # noqa: E731
+        lg = lambda f: (lambda x, w, b: f(x, w, b, GELU_FORM))  # noqa: E731
+        mlp = lambda f: (lambda *a: f(*a, GELU_FORM))  # noqa: E731
         peers = {"fused": ops, "eager": eager}
         r = {"family": "linear_gelu", "shape": shape}
         with torch.no_grad():
@@ -618,6 +619,9 @@ def main(argv=None) -> int:
     k.add_argument("--graph", action="store_true",
                    help="time CUDA-graph replays (GPU time without Python's launch cost); "
                         "writes kernels-graph.json/png")
+    k.add_argument("--approximate", choices=["tanh", "none"], default="tanh",
+                   help="GELU of the Linear+GELU and MLP rows: tanh (GPT-2's, the default) "
+                        "or none (erf)")
     t = sub.add_parser("train", help="training throughput, fused vs eager vs torch.compile")
     _run_shape_args(t, steps=20)
     t.add_argument("--ablation", action="store_true", help="also fused minus one family")
@@ -682,8 +686,8 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench.py kernels needs a CUDA GPU", file=sys.stderr)
         return 2
-    global GRAPH_TIMING
-    GRAPH_TIMING = args.graph
+    global GRAPH_TIMING, GELU_FORM
+    GRAPH_TIMING, GELU_FORM = args.graph, args.approximate
     name = "kernels-graph" if args.graph else "kernels"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -691,6 +695,7 @@ def main(argv=None) -> int:
     rows: list[dict] = []
     info = env()
     info["timing"] = "CUDA-graph replay" if args.graph else "Python launches"
+    info["gelu"] = args.approximate
     print(json.dumps(info))
     for fam in args.family:
         t0 = time.time()
