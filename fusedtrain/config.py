@@ -24,7 +24,7 @@ class RunConfig:
     optim: OptimConfig
     trainer: dict
     seed: int
-    compile: bool
+    compile: bool | str  # False, True (torch.compile's default mode) or a mode's name
     ckpt_path: str | None
     throughput_skip_steps: int
     deterministic: bool = False
@@ -65,7 +65,20 @@ def _check_trainer(t: dict) -> None:
         raise ConfigError(f"trainer.limit_val_batches must be >= 0, got {limit!r}")
 
 
-def _check_cuda_graph(trainer: dict, compile: bool) -> None:
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
+
+
+def _compile_setting(value) -> bool | str:
+    """`compile=`: false, true (the default mode) or a torch.compile mode's name."""
+    if value is None or isinstance(value, bool):
+        return bool(value)
+    if value in COMPILE_MODES:
+        return True if value == "default" else value
+    raise ConfigError(f"compile must be true, false or one of {', '.join(COMPILE_MODES)}; "
+                      f"got {value!r}")
+
+
+def _check_cuda_graph(trainer: dict, compile: bool | str) -> None:
     """cuda_graph=true captures each GPU's training step; say plainly where it cannot."""
     if compile:
         raise ConfigError("cuda_graph=true and compile=true are two ways to the same end; "
@@ -96,8 +109,9 @@ def build_run_config(cfg: DictConfig) -> RunConfig:
         raise ConfigError(f"trainer.max_steps must be a positive integer, got {max_steps!r}")
     _check_trainer(trainer)
     cuda_graph = bool(c.get("cuda_graph", False))
+    compile = _compile_setting(c.get("compile", False))
     if cuda_graph:
-        _check_cuda_graph(trainer, bool(c.get("compile", False)))
+        _check_cuda_graph(trainer, compile)
     if trainer.get("strategy") == "fsdp" and (trainer.get("accelerator") == "cpu"
                                               or not torch.cuda.is_available()):
         raise ConfigError("trainer.strategy=fsdp needs CUDA GPUs (Lightning's FSDP is "
@@ -106,6 +120,6 @@ def build_run_config(cfg: DictConfig) -> RunConfig:
     if not isinstance(skip, int) or skip < 0:
         raise ConfigError(f"throughput_skip_steps must be a non-negative integer, got {skip!r}")
     return RunConfig(model=model, data=data, optim=optim, trainer=trainer, seed=int(c["seed"]),
-                     compile=bool(c.get("compile", False)), ckpt_path=c.get("ckpt_path"),
+                     compile=compile, ckpt_path=c.get("ckpt_path"),
                      throughput_skip_steps=skip, deterministic=bool(c.get("deterministic")),
                      tensorboard=bool(c.get("tensorboard")), cuda_graph=cuda_graph)

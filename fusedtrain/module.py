@@ -115,7 +115,7 @@ class _GraphedLoss:
 
 class GPTModule(L.LightningModule):
     def __init__(self, model_cfg: GPTConfig, optim_cfg: OptimConfig, max_steps: int,
-                 compile: bool = False, cuda_graph: bool = False):
+                 compile: bool | str = False, cuda_graph: bool = False):
         super().__init__()
         self.save_hyperparameters({"model": model_cfg.to_dict(), "optim": vars(optim_cfg),
                                    "max_steps": max_steps, "compile": compile,
@@ -126,9 +126,14 @@ class GPTModule(L.LightningModule):
         # torch.compile wraps the whole loss function (a compiled module would compile
         # only forward, not `.loss`); it holds no parameters of its own, so checkpoints
         # hold them once, under `model.`, whether or not the model was compiled.
+        # compile: True for torch.compile's default mode, or a mode's name.
         if compile:
             register_inductor_fallbacks()
-        self._loss_fn = torch.compile(self.model.loss) if compile else self.model.loss
+        self._loss_fn = torch.compile(self.model.loss, mode=None if compile is True
+                                      else compile) if compile else self.model.loss
+        # Inductor's CUDA graphs (reduce-overhead) replay into buffers that the next
+        # replay overwrites, as cuda_graph=true's do.
+        self._replayed = cuda_graph or compile == "reduce-overhead"
         self.cuda_graph = cuda_graph
         # (batch shape, graphed loss), made at the first training step; a tuple, so that
         # the graphed pieces are not registered as submodules (nor saved in checkpoints).
@@ -137,11 +142,13 @@ class GPTModule(L.LightningModule):
 
     def training_step(self, batch, batch_idx):
         x, y = batch
+        if self.compile == "reduce-overhead":  # a new step: earlier outputs may be reused
+            torch.compiler.cudagraph_mark_step_begin()
         loss = self._train_loss(x, y)
         previous, self._pending_check = self._pending_check, self._queue_finite_check(loss)
         self._raise_if_non_finite(previous)
         # A graphed loss lives in the graph's output buffer, which the next step overwrites.
-        logged = loss.detach().clone() if self.cuda_graph else loss
+        logged = loss.detach().clone() if self._replayed else loss
         self.log("train/loss", logged, prog_bar=True, sync_dist=True)  # mean over ranks
         return loss
 
@@ -219,7 +226,11 @@ class GPTModule(L.LightningModule):
 
     def validation_step(self, batch, batch_idx):
         x, y = batch
-        self.log("val/loss", self._loss_fn(x, y), prog_bar=True, sync_dist=True)
+        if self.compile == "reduce-overhead":
+            torch.compiler.cudagraph_mark_step_begin()
+        loss = self._loss_fn(x, y)
+        replayed = self.compile == "reduce-overhead"
+        self.log("val/loss", loss.clone() if replayed else loss, prog_bar=True, sync_dist=True)
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None,
                                     gradient_clip_algorithm=None) -> None:

@@ -58,6 +58,17 @@ def test_bad_settings_are_named(override, match):
         build_run_config(_compose([override]))
 
 
+@pytest.mark.parametrize("value,setting", [("false", False), ("true", True), ("default", True),
+                                           ("reduce-overhead", "reduce-overhead")])
+def test_compile_takes_a_mode(value, setting):
+    assert build_run_config(_compose([f"compile={value}"])).compile == setting
+
+
+def test_unknown_compile_mode_is_named():
+    with pytest.raises(ConfigError, match="compile must be"):
+        build_run_config(_compose(["compile=fastest"]))
+
+
 @pytest.mark.parametrize("overrides,match", [
     (["cuda_graph=true", "compile=true"], "choose one"),
     (["cuda_graph=true", "trainer=fsdp"], "cannot capture FSDP"),

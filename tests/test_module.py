@@ -111,3 +111,23 @@ def test_graphed_training_loss_is_captured_once_and_falls_back_on_other_shapes(m
     short = torch.randint(0, 64, (1, 16))
     torch.testing.assert_close(module._train_loss(short, short), module.model.loss(short, short))
     assert captures == [4]
+
+
+def test_reduce_overhead_compile_marks_each_step_and_logs_a_copy(monkeypatch):
+    """compile="reduce-overhead": the loss is compiled in that mode (Inductor's CUDA graphs;
+    on CPU Inductor skips them), every training and validation step first tells Inductor a
+    new step begins (so it may reuse the previous replay's buffers), and the logged loss is
+    a copy, not the replay buffer that the next step overwrites."""
+    modes, marks, logged = [], [], []
+    monkeypatch.setattr(torch, "compile", lambda fn, mode=None: modes.append(mode) or fn)
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
+    cfg = GPTConfig(block_size=16, vocab_size=64, n_layer=1, n_head=2, n_embd=16)
+    module = GPTModule(cfg, OptimConfig(), max_steps=10, compile="reduce-overhead")
+    monkeypatch.setattr(module, "log", lambda name, value, **kw: logged.append(value))
+    x = torch.randint(0, 64, (2, 16))
+    loss = module.training_step((x, x), 0)
+    module.validation_step((x, x), 0)
+    assert modes == ["reduce-overhead"] and len(marks) == 2
+    assert logged[0] is not loss and torch.equal(logged[0], loss.detach())
+    plain = GPTModule(cfg, OptimConfig(), max_steps=10, compile=True)
+    assert modes[-1] is None and not plain._replayed
