@@ -127,10 +127,11 @@ class GPTModule(L.LightningModule):
         # only forward, not `.loss`); it holds no parameters of its own, so checkpoints
         # hold them once, under `model.`, whether or not the model was compiled.
         # compile: True for torch.compile's default mode, or a mode's name.
+        self._loss_fn = self.model.loss
         if compile:
             register_inductor_fallbacks()
-        self._loss_fn = torch.compile(self.model.loss, mode=None if compile is True
-                                      else compile) if compile else self.model.loss
+            self._loss_fn = torch.compile(self.model.loss,
+                                          mode=None if compile is True else compile)
         # Inductor's CUDA graphs (reduce-overhead) replay into buffers that the next
         # replay overwrites, as cuda_graph=true's do.
         self._replayed = cuda_graph or compile == "reduce-overhead"
@@ -226,10 +227,10 @@ class GPTModule(L.LightningModule):
 
     def validation_step(self, batch, batch_idx):
         x, y = batch
-        if self.compile == "reduce-overhead":
+        replayed = self.compile == "reduce-overhead"
+        if replayed:
             torch.compiler.cudagraph_mark_step_begin()
         loss = self._loss_fn(x, y)
-        replayed = self.compile == "reduce-overhead"
         self.log("val/loss", loss.clone() if replayed else loss, prog_bar=True, sync_dist=True)
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None,
