@@ -133,8 +133,10 @@ class GPTModule(L.LightningModule):
             self._loss_fn = torch.compile(self.model.loss,
                                           mode=None if compile is True else compile)
         # Inductor's CUDA graphs (reduce-overhead) replay into buffers that the next
-        # replay overwrites, as cuda_graph=true's do.
-        self._replayed = cuda_graph or compile == "reduce-overhead"
+        # replay overwrites, as cuda_graph=true's do: each step is announced to Inductor
+        # and the logged losses are copies.
+        self._inductor_graphs = compile == "reduce-overhead"
+        self._replayed = cuda_graph or self._inductor_graphs
         self.cuda_graph = cuda_graph
         # (batch shape, graphed loss), made at the first training step; a tuple, so that
         # the graphed pieces are not registered as submodules (nor saved in checkpoints).
@@ -143,7 +145,7 @@ class GPTModule(L.LightningModule):
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        if self.compile == "reduce-overhead":  # a new step: earlier outputs may be reused
+        if self._inductor_graphs:  # a new step: earlier outputs may be reused
             torch.compiler.cudagraph_mark_step_begin()
         loss = self._train_loss(x, y)
         previous, self._pending_check = self._pending_check, self._queue_finite_check(loss)
@@ -227,11 +229,11 @@ class GPTModule(L.LightningModule):
 
     def validation_step(self, batch, batch_idx):
         x, y = batch
-        replayed = self.compile == "reduce-overhead"
-        if replayed:
+        if self._inductor_graphs:
             torch.compiler.cudagraph_mark_step_begin()
         loss = self._loss_fn(x, y)
-        self.log("val/loss", loss.clone() if replayed else loss, prog_bar=True, sync_dist=True)
+        self.log("val/loss", loss.clone() if self._inductor_graphs else loss, prog_bar=True,
+                 sync_dist=True)
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None,
                                     gradient_clip_algorithm=None) -> None:
