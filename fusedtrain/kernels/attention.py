@@ -93,12 +93,14 @@ def _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, offs_m, offs_d, d_ok, T, qk_sc
         n_ok = offs_n < T
         k = _load_rows(k_base, offs_n, offs_d, s_kt, s_kd, n_ok, d_ok)
         v = _load_rows(v_base, offs_n, offs_d, s_vt, s_vd, n_ok, d_ok)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION, out_dtype=ACC) * qk_scale
+        # Raw scores: the scale (> 0, checked by the op) goes on the row maxima, and onto
+        # s inside the exponent's argument, one fused multiply-add per score.
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION, out_dtype=ACC)
         if MASKED:
             s = tl.where(_visible(offs_m, offs_n, T, CAUSAL), s, float("-inf"))
-        m_new = tl.maximum(m_i, row_max(s, 1))
+        m_new = tl.maximum(m_i, row_max(s, 1) * qk_scale)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all-masked rows stay finite
-        p = tl.exp2(s - m_safe[:, None])
+        p = tl.exp2(s * qk_scale - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + row_sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION,
