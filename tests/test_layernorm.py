@@ -79,6 +79,36 @@ def test_forward_chunks_rows_without_padding(C, chunks):
     torch.testing.assert_close(y, ref_y, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("C", [768, 1000])
+def test_inference_writes_no_statistics(C, monkeypatch):
+    """Without autograd (no_grad, or no input needing a gradient) the forward skips the
+    statistics: same output, empty mean and rstd; with autograd they are written."""
+    from fusedtrain.kernels import layernorm as K
+
+    x, r, w, b = (torch.randn(*shape, dtype=torch.float32)
+                  for shape in ((5, C), (5, C), (C,), (C,)))
+    y, _, mean, rstd = K.layer_norm_fwd(x, r, w, b, 1e-5, "none", x.dtype, x.dtype)
+    y0, _, mean0, rstd0 = K.layer_norm_fwd(x, r, w, b, 1e-5, "none", x.dtype, x.dtype,
+                                           save_stats=False)
+    assert mean.shape == rstd.shape == (5,) and mean0.numel() == rstd0.numel() == 0
+    torch.testing.assert_close(y0, y, rtol=0, atol=0)
+    w.requires_grad_()
+    asked = []
+    launcher = K.layer_norm_fwd
+    monkeypatch.setattr(K, "layer_norm_fwd", lambda *a: asked.append(a[-1]) or launcher(*a))
+    for fn, args in ((ops.layer_norm, (x, w, b)), (ops.add_layer_norm, (x, r, w, b)),
+                     (ops.layer_norm_gelu, (x, w, b))):
+        with_grad = fn(*args)
+        with torch.no_grad():
+            without = fn(*args)
+        assert asked[-2:] == [True, False]
+        for a, c in zip(with_grad if isinstance(with_grad, tuple) else (with_grad,),
+                        without if isinstance(without, tuple) else (without,)):
+            torch.testing.assert_close(c, a.detach(), rtol=0, atol=0)
+    assert ops.layer_norm(x, w, b).requires_grad and asked[-1]
+    assert not ops.layer_norm(x, w.detach(), b).requires_grad and not asked[-1]
+
+
 def test_add_layer_norm_mixed_dtypes_under_autocast():
     """The model's case: a bf16 sublayer output added onto the fp32 residual stream. Each
     input gets the gradient in its own dtype, both written by the one backward pass."""

@@ -65,22 +65,24 @@ LOOP_CONFIGS = [triton.Config({**c.kwargs, "LOOP_STAGES": s}, num_warps=c.num_wa
 
 
 @device_fn
-def _input_tile(x_ptr, r_ptr, s_ptr, r64, cols, mask, s_x, s_r, s_s,
-                HAS_RES: tl.constexpr, STORE_S: tl.constexpr, ACC: tl.constexpr):
+def _input_tile(x_ptr, r_ptr, s_ptr, r_off, cols, mask, s_x, s_r, s_s,
+                HAS_RES: tl.constexpr, STORE_S: tl.constexpr, ACC: tl.constexpr,
+                EVICT: tl.constexpr):
     """A (rows, cols) tile of the input, x + residual with HAS_RES (stored as the new
-    residual stream s if STORE_S). Rows are read once per pass (evict first)."""
-    x = tl.load(x_ptr + r64 * s_x + cols[None, :], mask=mask, other=0.0,
-                eviction_policy="evict_first").to(ACC)
+    residual stream s if STORE_S). r_off: (rows, 1) row indices."""
+    x = tl.load(x_ptr + r_off * s_x + cols[None, :], mask=mask, other=0.0,
+                eviction_policy=EVICT).to(ACC)
     if HAS_RES:
-        x += tl.load(r_ptr + r64 * s_r + cols[None, :], mask=mask, other=0.0,
-                     eviction_policy="evict_first").to(ACC)
+        x += tl.load(r_ptr + r_off * s_r + cols[None, :], mask=mask, other=0.0,
+                     eviction_policy=EVICT).to(ACC)
         if STORE_S:
-            tl.store(s_ptr + r64 * s_s + cols[None, :], x.to(s_ptr.dtype.element_ty), mask=mask)
+            tl.store(s_ptr + r_off * s_s + cols[None, :], x.to(s_ptr.dtype.element_ty),
+                     mask=mask)
     return x
 
 
 @device_fn
-def _affine_store(xhat, w_ptr, b_ptr, y_ptr, r64, cols, col_ok, mask, s_y,
+def _affine_store(xhat, w_ptr, b_ptr, y_ptr, r_off, cols, col_ok, mask, s_y,
                   HAS_W: tl.constexpr, HAS_B: tl.constexpr, GELU: tl.constexpr,
                   ACC: tl.constexpr):
     """y = [gelu](xhat * w + b) for a tile of normalised values; w and b are read by every
@@ -94,43 +96,67 @@ def _affine_store(xhat, w_ptr, b_ptr, y_ptr, r64, cols, col_ok, mask, s_y,
                         eviction_policy="evict_last").to(ACC)[None, :]
     if GELU >= 0:
         y = gelu(y, GELU)
-    tl.store(y_ptr + r64 * s_y + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_ptr + r_off * s_y + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-@cached_autotune(ROW_CONFIGS, key=["C", "HAS_RES", "GELU"], prune=_row_tiles)
+@cached_autotune(ROW_CONFIGS, key=["C", "HAS_RES", "GELU", "STATS"], prune=_row_tiles)
 @triton.jit
 def _ln_fwd_kernel(
     x_ptr, r_ptr, w_ptr, b_ptr, y_ptr, s_ptr, mean_ptr, rstd_ptr, M, C, eps,
     s_x, s_r, s_y, s_s,
     HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, GELU: tl.constexpr,
-    ACC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, N_CHUNKS: tl.constexpr,
+    STATS: tl.constexpr, OFF64: tl.constexpr, EVICT: tl.constexpr, ACC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, N_CHUNKS: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
-    r64 = rows.to(tl.int64)[:, None]
+    # Row offsets in int32 where every element offset fits (cheaper address arithmetic).
+    r_off = rows.to(tl.int64)[:, None] if OFF64 else rows[:, None]
     if N_CHUNKS == 1:  # the row in one tile, C padded to BLOCK_C
         cols = tl.arange(0, BLOCK_C)
         col_ok = cols < C
         mask = row_ok[:, None] & col_ok[None, :]
-        x = _input_tile(x_ptr, r_ptr, s_ptr, r64, cols, mask, s_x, s_r, s_s,
-                        HAS_RES, True, ACC)
+        x = _input_tile(x_ptr, r_ptr, s_ptr, r_off, cols, mask, s_x, s_r, s_s,
+                        HAS_RES, True, ACC, EVICT)
         mean = row_sum(x, 1) / C
         xc = tl.where(mask, x - mean[:, None], 0.0)
         rstd = 1.0 / tl.sqrt(row_sum(xc * xc, 1) / C + eps)
-        _affine_store(xc * rstd[:, None], w_ptr, b_ptr, y_ptr, r64, cols, col_ok, mask, s_y,
+        _affine_store(xc * rstd[:, None], w_ptr, b_ptr, y_ptr, r_off, cols, col_ok, mask, s_y,
+                      HAS_W, HAS_B, GELU, ACC)
+    elif N_CHUNKS == 3:
+        # C = 3 x BLOCK_C exactly (GPT-2's 768 = 3 x 256): no padded lanes, and the three
+        # chunks stay in registers between the statistics and the output.
+        c0 = tl.arange(0, BLOCK_C)
+        c1, c2 = c0 + BLOCK_C, c0 + 2 * BLOCK_C
+        mask = row_ok[:, None] & (c0 < BLOCK_C)[None, :]
+        x0 = _input_tile(x_ptr, r_ptr, s_ptr, r_off, c0, mask, s_x, s_r, s_s,
+                         HAS_RES, True, ACC, EVICT)
+        x1 = _input_tile(x_ptr, r_ptr, s_ptr, r_off, c1, mask, s_x, s_r, s_s,
+                         HAS_RES, True, ACC, EVICT)
+        x2 = _input_tile(x_ptr, r_ptr, s_ptr, r_off, c2, mask, s_x, s_r, s_s,
+                         HAS_RES, True, ACC, EVICT)
+        mean = (row_sum(x0, 1) + row_sum(x1, 1) + row_sum(x2, 1)) / C
+        x0, x1, x2 = x0 - mean[:, None], x1 - mean[:, None], x2 - mean[:, None]
+        rstd = 1.0 / tl.sqrt((row_sum(x0 * x0, 1) + row_sum(x1 * x1, 1)
+                              + row_sum(x2 * x2, 1)) / C + eps)
+        col_ok = c0 < BLOCK_C
+        _affine_store(x0 * rstd[:, None], w_ptr, b_ptr, y_ptr, r_off, c0, col_ok, mask, s_y,
+                      HAS_W, HAS_B, GELU, ACC)
+        _affine_store(x1 * rstd[:, None], w_ptr, b_ptr, y_ptr, r_off, c1, col_ok, mask, s_y,
+                      HAS_W, HAS_B, GELU, ACC)
+        _affine_store(x2 * rstd[:, None], w_ptr, b_ptr, y_ptr, r_off, c2, col_ok, mask, s_y,
                       HAS_W, HAS_B, GELU, ACC)
     else:
-        # C = N_CHUNKS x BLOCK_C exactly (e.g. 768 = 3 x 256): no padded lanes to compute.
-        # Pass 1 merges each chunk's mean and squared deviations into the row's (Chan et
-        # al.'s pairwise update, as stable as the two-pass form); pass 2 reads the chunks
-        # again (from cache) to normalise them.
+        # C = N_CHUNKS x BLOCK_C exactly (5 or 7 chunks). Pass 1 merges each chunk's mean
+        # and squared deviations into the row's (Chan et al.'s pairwise update, as stable
+        # as the two-pass form); pass 2 reads the chunks again (from cache) to normalise.
         mean = tl.full((BLOCK_M,), 0.0, ACC)
         m2 = tl.full((BLOCK_M,), 0.0, ACC)
         for j in tl.static_range(N_CHUNKS):
             cols = j * BLOCK_C + tl.arange(0, BLOCK_C)
             mask = row_ok[:, None] & (cols < C)[None, :]
-            x = _input_tile(x_ptr, r_ptr, s_ptr, r64, cols, mask, s_x, s_r, s_s,
-                            HAS_RES, True, ACC)
+            x = _input_tile(x_ptr, r_ptr, s_ptr, r_off, cols, mask, s_x, s_r, s_s,
+                            HAS_RES, True, ACC, EVICT)
             chunk_mean = row_sum(x, 1) / BLOCK_C
             d = x - chunk_mean[:, None]
             delta = chunk_mean - mean
@@ -141,12 +167,13 @@ def _ln_fwd_kernel(
             cols = j * BLOCK_C + tl.arange(0, BLOCK_C)
             col_ok = cols < C
             mask = row_ok[:, None] & col_ok[None, :]
-            x = _input_tile(x_ptr, r_ptr, s_ptr, r64, cols, mask, s_x, s_r, s_s,
-                            HAS_RES, False, ACC)
-            _affine_store((x - mean[:, None]) * rstd[:, None], w_ptr, b_ptr, y_ptr, r64, cols,
-                          col_ok, mask, s_y, HAS_W, HAS_B, GELU, ACC)
-    tl.store(mean_ptr + rows, mean.to(mean_ptr.dtype.element_ty), mask=row_ok)
-    tl.store(rstd_ptr + rows, rstd.to(rstd_ptr.dtype.element_ty), mask=row_ok)
+            x = _input_tile(x_ptr, r_ptr, s_ptr, r_off, cols, mask, s_x, s_r, s_s,
+                            HAS_RES, False, ACC, EVICT)
+            _affine_store((x - mean[:, None]) * rstd[:, None], w_ptr, b_ptr, y_ptr, r_off,
+                          cols, col_ok, mask, s_y, HAS_W, HAS_B, GELU, ACC)
+    if STATS:  # only when a backward will read them (inference writes y alone)
+        tl.store(mean_ptr + rows, mean.to(mean_ptr.dtype.element_ty), mask=row_ok)
+        tl.store(rstd_ptr + rows, rstd.to(rstd_ptr.dtype.element_ty), mask=row_ok)
 
 
 @cached_autotune(LOOP_CONFIGS, key=["C", "HAS_DS", "HAS_DX2", "GELU"], prune=_row_tiles)
@@ -228,26 +255,32 @@ def _gelu_code(approximate: str | None, out: torch.Tensor) -> int:
 
 def layer_norm_fwd(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None,
                    bias: torch.Tensor | None, eps: float, approximate: str | None,
-                   out_dtype: torch.dtype, stream_dtype: torch.dtype):
+                   out_dtype: torch.dtype, stream_dtype: torch.dtype, save_stats: bool = True):
     """x, residual: (..., C). Returns (y, s, mean, rstd): y = [gelu](LN(x [+ residual])) in
     out_dtype, s = x + residual in stream_dtype (an empty tensor without residual), and the
-    per-row statistics (M,) in fp32 (fp64 for fp64 x)."""
+    per-row statistics (M,) in fp32 (fp64 for fp64 x); empty (0,) tensors instead of the
+    statistics unless save_stats (only a backward reads them)."""
     C = x.shape[-1]
     x2 = _rows(x)
     M = x2.shape[0]
     y = torch.empty((M, C), device=x.device, dtype=out_dtype)
-    mean = torch.empty(M, device=x.device, dtype=stat_dtype(x))
+    mean = torch.empty(M if save_stats else 0, device=x.device, dtype=stat_dtype(x))
     rstd = torch.empty_like(mean)
     r2 = _rows(residual) if residual is not None else x2
     s = torch.empty((M, C) if residual is not None else (0, C), device=x.device,
                     dtype=stream_dtype)
+    strides = (x2.stride(0), r2.stride(0), y.stride(0), s.stride(0) if residual is not None else 0)
     _ln_fwd_kernel[lambda meta: (triton.cdiv(M, meta["BLOCK_M"]),)](
         x2, r2, weight if weight is not None else x2, bias if bias is not None else x2,
-        y, s if residual is not None else y, mean, rstd, M, C, eps,
-        x2.stride(0), r2.stride(0), y.stride(0), s.stride(0) if residual is not None else 0,
+        y, s if residual is not None else y, mean, rstd, M, C, eps, *strides,
         HAS_RES=residual is not None, HAS_W=weight is not None, HAS_B=bias is not None,
-        GELU=_gelu_code(approximate, y), ACC=acc_dtype(x),
-        **_row_chunks(C, approximate is not None),
+        GELU=_gelu_code(approximate, y), STATS=save_stats,
+        OFF64=M * max(strides) + C >= 2**31,
+        # Measured on an H200 at 16384 x 768 (ninth round of docs/perf-notes.md): evicting
+        # the rows first helps LayerNorm (14.5 vs 15.7 us) and hurts the residual form,
+        # which reads two inputs and writes two outputs (27.3 vs 26.4 us).
+        EVICT="" if residual is not None else "evict_first",
+        ACC=acc_dtype(x), **_row_chunks(C, approximate is not None),
     )
     if residual is not None:
         s = s.view(x.shape)

@@ -28,14 +28,15 @@ Tensor = torch.Tensor
 @launcher("layer_norm_fwd")
 def _layer_norm_fwd(x: Tensor, residual: Tensor | None, weight: Tensor | None,
                     bias: Tensor | None, eps: float, approximate: str, out_dtype: torch.dtype,
-                    stream_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                    stream_dtype: torch.dtype, save_stats: bool
+                    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return K.layer_norm_fwd(x, residual, weight, bias, eps, approximate or None, out_dtype,
-                            stream_dtype)
+                            stream_dtype, save_stats)
 
 
 @_layer_norm_fwd.register_fake
-def _(x, residual, weight, bias, eps, approximate, out_dtype, stream_dtype):
-    M = x.numel() // x.shape[-1]
+def _(x, residual, weight, bias, eps, approximate, out_dtype, stream_dtype, save_stats):
+    M = x.numel() // x.shape[-1] if save_stats else 0
     stat = stat_dtype(x)
     s_shape = x.shape if residual is not None else (0, x.shape[-1])
     return (x.new_empty(x.shape, dtype=out_dtype), x.new_empty(s_shape, dtype=stream_dtype),
@@ -69,9 +70,10 @@ class LayerNormFunction(torch.autograd.Function):
     """y = [gelu](layer_norm(x)); saves x, mean and rstd only."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, eps: float, approximate: str, out_dtype: torch.dtype):
+    def forward(ctx, x, weight, bias, eps: float, approximate: str, out_dtype: torch.dtype,
+                save_stats: bool):
         y, _, mean, rstd = _layer_norm_fwd(
-            x, None, weight, bias, eps, approximate, out_dtype, x.dtype)
+            x, None, weight, bias, eps, approximate, out_dtype, x.dtype, save_stats)
         ctx.save_for_backward(x, weight, bias, mean, rstd)
         ctx.approximate = approximate
         return y
@@ -81,17 +83,18 @@ class LayerNormFunction(torch.autograd.Function):
         x, weight, bias, mean, rstd = ctx.saved_tensors
         dx, sums = _layer_norm_bwd(
             dy, x, weight, bias, mean, rstd, None, ctx.approximate, x.dtype, None)
-        return (dx, *_param_grads(sums, weight, bias), None, None, None)
+        return (dx, *_param_grads(sums, weight, bias), None, None, None, None)
 
 
 class AddLayerNormFunction(torch.autograd.Function):
     """(layer_norm(x + residual), x + residual) in one pass; saves s = x + residual."""
 
     @staticmethod
-    def forward(ctx, x, residual, weight, bias, eps: float, out_dtype: torch.dtype):
+    def forward(ctx, x, residual, weight, bias, eps: float, out_dtype: torch.dtype,
+                save_stats: bool):
         stream_dtype = torch.promote_types(x.dtype, residual.dtype)
         y, s, mean, rstd = _layer_norm_fwd(
-            x, residual, weight, bias, eps, "", out_dtype, stream_dtype)
+            x, residual, weight, bias, eps, "", out_dtype, stream_dtype, save_stats)
         ctx.save_for_backward(s, weight, bias, mean, rstd)
         ctx.dtypes = (x.dtype, residual.dtype)
         return y, s
@@ -105,7 +108,12 @@ class AddLayerNormFunction(torch.autograd.Function):
                                 None if x_dtype == res_dtype else x_dtype)
         dres, sums = grads[:2]
         dx = grads[2] if len(grads) == 3 else dres
-        return (dx, dres, *_param_grads(sums, weight, bias), None, None)
+        return (dx, dres, *_param_grads(sums, weight, bias), None, None, None)
+
+
+def _needs_grad(*tensors: Tensor | None) -> bool:
+    """Whether autograd will call the backward: only then are the statistics written."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def _check(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float,
@@ -144,7 +152,8 @@ def layer_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None,
     out_dtype = _check(x, weight, bias, eps)
     if x.numel() == 0:
         return eager.layer_norm(x, weight, bias, eps).to(out_dtype)
-    return LayerNormFunction.apply(x, weight, bias, eps, "", out_dtype)
+    return LayerNormFunction.apply(x, weight, bias, eps, "", out_dtype,
+                                   _needs_grad(x, weight, bias))
 
 
 def add_layer_norm(x: Tensor, residual: Tensor, weight: Tensor | None, bias: Tensor | None,
@@ -156,7 +165,8 @@ def add_layer_norm(x: Tensor, residual: Tensor, weight: Tensor | None, bias: Ten
     if x.numel() == 0:
         y, s = eager.add_layer_norm(x, residual, weight, bias, eps)
         return y.to(out_dtype), s
-    return AddLayerNormFunction.apply(x, residual, weight, bias, eps, out_dtype)
+    return AddLayerNormFunction.apply(x, residual, weight, bias, eps, out_dtype,
+                                      _needs_grad(x, residual, weight, bias))
 
 
 def layer_norm_gelu(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float = 1e-5,
@@ -166,4 +176,5 @@ def layer_norm_gelu(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: 
     out_dtype = _check(x, weight, bias, eps)
     if x.numel() == 0:
         return eager.layer_norm_gelu(x, weight, bias, eps, approximate).to(out_dtype)
-    return LayerNormFunction.apply(x, weight, bias, eps, approximate, out_dtype)
+    return LayerNormFunction.apply(x, weight, bias, eps, approximate, out_dtype,
+                                   _needs_grad(x, weight, bias))
