@@ -83,13 +83,18 @@ def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
     return torch.empty(size, device="cuda", dtype=torch.int8)
 
 
+def enable_device_descriptors() -> None:
+    """Give triton the scratch allocator that kernels making descriptors on the device need.
+    Call before every such launch: triton keeps the allocator in a context variable, and
+    autograd runs backward kernels on its own threads, which start with none."""
+    triton.set_allocator(_scratch)
+
+
 def launch(kernel, work_items: int, device: torch.device, *args, config: TmaConfig,
            **constexprs) -> None:
     """Launch a persistent TMA kernel: one program per SM (fewer if there is less work;
     the interpreter runs one), with config's tile shape and warps."""
-    # Set at every launch: triton keeps the allocator in a context variable, and autograd
-    # runs backward kernels on its own threads, which start with none.
-    triton.set_allocator(_scratch)
+    enable_device_descriptors()
     programs = 1 if INTERPRET else min(work_items, sm_count(device))
     kernel[(programs,)](*args, **constexprs, **config.meta())
 

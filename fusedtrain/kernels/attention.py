@@ -32,6 +32,7 @@ from fusedtrain.kernels._common import (
     row_sum,
     stat_dtype,
 )
+from fusedtrain.kernels._tma import enable_device_descriptors, matrix_desc, tma_ok
 
 LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 128
@@ -68,6 +69,27 @@ def _store_rows(base, val, offs_t, offs_d, s_t, s_d, t_ok, d_ok):
 
 
 @device_fn
+def _row_source(base, T, D, s_t, TMA: tl.constexpr, BLOCK_R: tl.constexpr,
+                BLOCK_D: tl.constexpr):
+    """What a loop reads [BLOCK_R, BLOCK_D] tiles of a (T, D) slice from: a TMA descriptor
+    (unit stride in d; rows past T and columns past D read as zero), or the slice's
+    pointer."""
+    if TMA:
+        return matrix_desc(base, T, D, s_t, BLOCK_R, BLOCK_D)
+    else:
+        return base
+
+
+@device_fn
+def _load_tile(src, start, offs_t, offs_d, s_t, s_d, t_ok, d_ok, TMA: tl.constexpr):
+    """Rows [start, start + BLOCK_R) of a _row_source; offs_t = start + arange(BLOCK_R)."""
+    if TMA:
+        return src.load([start, 0])
+    else:
+        return _load_rows(src, offs_t, offs_d, s_t, s_d, t_ok, d_ok)
+
+
+@device_fn
 def _visible(offs_m, offs_n, T, CAUSAL: tl.constexpr):
     """[BLOCK_M, BLOCK_N] mask of (query, key) pairs that may attend."""
     ok = (offs_m[:, None] < T) & (offs_n[None, :] < T)
@@ -83,16 +105,16 @@ def _slice_base(ptr, bh, H, s_b, s_h):
 
 
 @device_fn
-def _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, offs_m, offs_d, d_ok, T, qk_scale,
+def _fwd_blocks(acc, l_i, m_i, q, k_src, v_src, offs_m, offs_d, d_ok, T, qk_scale,
                 s_kt, s_kd, s_vt, s_vd, blk_lo, blk_hi,
                 MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
-                ACC: tl.constexpr, PRECISION: tl.constexpr):
+                ACC: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr):
     """Online-softmax accumulation over key blocks [blk_lo, blk_hi)."""
     for blk in range(blk_lo, blk_hi):
         offs_n = blk * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < T
-        k = _load_rows(k_base, offs_n, offs_d, s_kt, s_kd, n_ok, d_ok)
-        v = _load_rows(v_base, offs_n, offs_d, s_vt, s_vd, n_ok, d_ok)
+        k = _load_tile(k_src, blk * BLOCK_N, offs_n, offs_d, s_kt, s_kd, n_ok, d_ok, TMA)
+        v = _load_tile(v_src, blk * BLOCK_N, offs_n, offs_d, s_vt, s_vd, n_ok, d_ok, TMA)
         # Raw scores: the scale (> 0, checked by the op) goes on the row maxima, and onto
         # s inside the exponent's argument, one fused multiply-add per score.
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION, out_dtype=ACC)
@@ -123,7 +145,7 @@ def _key_block_ranges(start_m, T, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
     return full, last
 
 
-@autotune(FWD_CONFIGS, key=["T_BUCKET", "BLOCK_D", "CAUSAL"], interpret=INTERPRET_CONFIG,
+@autotune(FWD_CONFIGS, key=["T_BUCKET", "BLOCK_D", "CAUSAL", "TMA"], interpret=INTERPRET_CONFIG,
           wide=WIDE_CONFIGS)
 @triton.jit
 def _attn_fwd_kernel(
@@ -131,7 +153,7 @@ def _attn_fwd_kernel(
     s_qb, s_qh, s_qt, s_qd, s_kb, s_kh, s_kt, s_kd, s_vb, s_vh, s_vt, s_vd,
     s_ob, s_oh, s_ot, s_od,
     CAUSAL: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
@@ -139,18 +161,18 @@ def _attn_fwd_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     m_ok, d_ok = offs_m < T, offs_d < D
     q = _load_rows(_slice_base(q_ptr, bh, H, s_qb, s_qh), offs_m, offs_d, s_qt, s_qd, m_ok, d_ok)
-    k_base = _slice_base(k_ptr, bh, H, s_kb, s_kh)
-    v_base = _slice_base(v_ptr, bh, H, s_vb, s_vh)
+    k_src = _row_source(_slice_base(k_ptr, bh, H, s_kb, s_kh), T, D, s_kt, TMA, BLOCK_N, BLOCK_D)
+    v_src = _row_source(_slice_base(v_ptr, bh, H, s_vb, s_vh), T, D, s_vt, TMA, BLOCK_N, BLOCK_D)
     acc = tl.full((BLOCK_M, BLOCK_D), 0.0, ACC)
     l_i = tl.full((BLOCK_M,), 0.0, ACC)
     m_i = tl.full((BLOCK_M,), float("-inf"), ACC)
     full, last = _key_block_ranges(start_m, T, CAUSAL, BLOCK_M, BLOCK_N)
-    acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, offs_m, offs_d, d_ok, T,
+    acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_src, v_src, offs_m, offs_d, d_ok, T,
                                 qk_scale, s_kt, s_kd, s_vt, s_vd, 0, full,
-                                False, CAUSAL, BLOCK_N, ACC, PRECISION)
-    acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, offs_m, offs_d, d_ok, T,
+                                False, CAUSAL, BLOCK_N, ACC, PRECISION, TMA)
+    acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_src, v_src, offs_m, offs_d, d_ok, T,
                                 qk_scale, s_kt, s_kd, s_vt, s_vd, full, last,
-                                True, CAUSAL, BLOCK_N, ACC, PRECISION)
+                                True, CAUSAL, BLOCK_N, ACC, PRECISION, TMA)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     o_base = _slice_base(o_ptr, bh, H, s_ob, s_oh)
     _store_rows(o_base, acc / l_safe[:, None], offs_m, offs_d, s_ot, s_od, m_ok, d_ok)
@@ -175,18 +197,18 @@ def _attn_bwd_delta_kernel(
 
 
 @device_fn
-def _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, offs_n, offs_d, d_ok, T,
+def _dkdv_blocks(dk, dv, k, v, q_src, do_src, lse_base, delta_base, offs_n, offs_d, d_ok, T,
                  qk_scale, s_qt, s_qd, s_gt, s_gd, blk_lo, blk_hi,
                  MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
-                 ACC: tl.constexpr, PRECISION: tl.constexpr):
+                 ACC: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr):
     """Accumulate dK, dV of one key block over query blocks [blk_lo, blk_hi); works on
     transposed scores sT = k q^T so that dv += pT @ dO and dk += dsT @ q need no transposes
     of the accumulators."""
     for blk in range(blk_lo, blk_hi):
         offs_m = blk * BLOCK_M + tl.arange(0, BLOCK_M)
         m_ok = offs_m < T
-        q = _load_rows(q_base, offs_m, offs_d, s_qt, s_qd, m_ok, d_ok)
-        do = _load_rows(do_base, offs_m, offs_d, s_gt, s_gd, m_ok, d_ok)
+        q = _load_tile(q_src, blk * BLOCK_M, offs_m, offs_d, s_qt, s_qd, m_ok, d_ok, TMA)
+        do = _load_tile(do_src, blk * BLOCK_M, offs_m, offs_d, s_gt, s_gd, m_ok, d_ok, TMA)
         lse = tl.load(lse_base + offs_m, mask=m_ok, other=0.0)
         delta = tl.load(delta_base + offs_m, mask=m_ok, other=0.0)
         sT = tl.dot(k, tl.trans(q), input_precision=PRECISION, out_dtype=ACC) * qk_scale
@@ -214,7 +236,7 @@ def _query_block_ranges(start_n, n_q_blocks, CAUSAL: tl.constexpr, BLOCK_M: tl.c
     return first, diag
 
 
-@autotune(BWD_KV_CONFIGS, key=["T_BUCKET", "BLOCK_D", "CAUSAL"], interpret=INTERPRET_CONFIG,
+@autotune(BWD_KV_CONFIGS, key=["T_BUCKET", "BLOCK_D", "CAUSAL", "TMA"], interpret=INTERPRET_CONFIG,
           wide=WIDE_CONFIGS)
 @triton.jit
 def _attn_bwd_dkdv_kernel(
@@ -223,7 +245,7 @@ def _attn_bwd_dkdv_kernel(
     s_qb, s_qh, s_qt, s_qd, s_kb, s_kh, s_kt, s_kd, s_vb, s_vh, s_vt, s_vd,
     s_gb, s_gh, s_gt, s_gd, s_db, s_dh, s_dt, s_dd,
     CAUSAL: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     start_n = tl.program_id(0) * BLOCK_N
     bh = tl.program_id(1)
@@ -232,8 +254,9 @@ def _attn_bwd_dkdv_kernel(
     n_ok, d_ok = offs_n < T, offs_d < D
     k = _load_rows(_slice_base(k_ptr, bh, H, s_kb, s_kh), offs_n, offs_d, s_kt, s_kd, n_ok, d_ok)
     v = _load_rows(_slice_base(v_ptr, bh, H, s_vb, s_vh), offs_n, offs_d, s_vt, s_vd, n_ok, d_ok)
-    q_base = _slice_base(q_ptr, bh, H, s_qb, s_qh)
-    do_base = _slice_base(do_ptr, bh, H, s_gb, s_gh)
+    q_src = _row_source(_slice_base(q_ptr, bh, H, s_qb, s_qh), T, D, s_qt, TMA, BLOCK_M, BLOCK_D)
+    do_src = _row_source(_slice_base(do_ptr, bh, H, s_gb, s_gh), T, D, s_gt, TMA, BLOCK_M,
+                         BLOCK_D)
     lse_base = lse_ptr + bh.to(tl.int64) * T
     delta_base = delta_ptr + bh.to(tl.int64) * T
     dk = tl.full((BLOCK_N, BLOCK_D), 0.0, ACC)
@@ -243,15 +266,15 @@ def _attn_bwd_dkdv_kernel(
     n_q_blocks = cdiv(T, BLOCK_M)
     first, diag = _query_block_ranges(start_n, n_q_blocks, CAUSAL, BLOCK_M, BLOCK_N)
     full = tl.maximum(diag, T // BLOCK_M)
-    dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, offs_n, offs_d,
+    dk, dv = _dkdv_blocks(dk, dv, k, v, q_src, do_src, lse_base, delta_base, offs_n, offs_d,
                           d_ok, T, qk_scale, s_qt, s_qd, s_gt, s_gd, first, diag,
-                          True, CAUSAL, BLOCK_M, ACC, PRECISION)
-    dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, offs_n, offs_d,
+                          True, CAUSAL, BLOCK_M, ACC, PRECISION, TMA)
+    dk, dv = _dkdv_blocks(dk, dv, k, v, q_src, do_src, lse_base, delta_base, offs_n, offs_d,
                           d_ok, T, qk_scale, s_qt, s_qd, s_gt, s_gd, diag, full,
-                          False, CAUSAL, BLOCK_M, ACC, PRECISION)
-    dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, lse_base, delta_base, offs_n, offs_d,
+                          False, CAUSAL, BLOCK_M, ACC, PRECISION, TMA)
+    dk, dv = _dkdv_blocks(dk, dv, k, v, q_src, do_src, lse_base, delta_base, offs_n, offs_d,
                           d_ok, T, qk_scale, s_qt, s_qd, s_gt, s_gd, full, n_q_blocks,
-                          True, CAUSAL, BLOCK_M, ACC, PRECISION)
+                          True, CAUSAL, BLOCK_M, ACC, PRECISION, TMA)
     _store_rows(_slice_base(dk_ptr, bh, H, s_db, s_dh), dk * sm_scale, offs_n, offs_d, s_dt,
                 s_dd, n_ok, d_ok)
     _store_rows(_slice_base(dv_ptr, bh, H, s_db, s_dh), dv, offs_n, offs_d, s_dt, s_dd, n_ok,
@@ -259,15 +282,15 @@ def _attn_bwd_dkdv_kernel(
 
 
 @device_fn
-def _dq_blocks(dq, q, do, lse, delta, k_base, v_base, offs_m, offs_d, d_ok, T, qk_scale,
+def _dq_blocks(dq, q, do, lse, delta, k_src, v_src, offs_m, offs_d, d_ok, T, qk_scale,
                s_kt, s_kd, s_vt, s_vd, blk_lo, blk_hi,
                MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
-               ACC: tl.constexpr, PRECISION: tl.constexpr):
+               ACC: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr):
     for blk in range(blk_lo, blk_hi):
         offs_n = blk * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < T
-        k = _load_rows(k_base, offs_n, offs_d, s_kt, s_kd, n_ok, d_ok)
-        v = _load_rows(v_base, offs_n, offs_d, s_vt, s_vd, n_ok, d_ok)
+        k = _load_tile(k_src, blk * BLOCK_N, offs_n, offs_d, s_kt, s_kd, n_ok, d_ok, TMA)
+        v = _load_tile(v_src, blk * BLOCK_N, offs_n, offs_d, s_vt, s_vd, n_ok, d_ok, TMA)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION, out_dtype=ACC) * qk_scale
         p = tl.exp2(s - lse[:, None])
         if MASKED:
@@ -278,7 +301,7 @@ def _dq_blocks(dq, q, do, lse, delta, k_base, v_base, offs_m, offs_d, d_ok, T, q
     return dq
 
 
-@autotune(BWD_Q_CONFIGS, key=["T_BUCKET", "BLOCK_D", "CAUSAL"], interpret=INTERPRET_CONFIG,
+@autotune(BWD_Q_CONFIGS, key=["T_BUCKET", "BLOCK_D", "CAUSAL", "TMA"], interpret=INTERPRET_CONFIG,
           wide=WIDE_CONFIGS)
 @triton.jit
 def _attn_bwd_dq_kernel(
@@ -287,7 +310,7 @@ def _attn_bwd_dq_kernel(
     s_qb, s_qh, s_qt, s_qd, s_kb, s_kh, s_kt, s_kd, s_vb, s_vh, s_vt, s_vd,
     s_gb, s_gh, s_gt, s_gd, s_db, s_dh, s_dt, s_dd,
     CAUSAL: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
@@ -299,16 +322,26 @@ def _attn_bwd_dq_kernel(
                     d_ok)
     lse = tl.load(lse_ptr + bh.to(tl.int64) * T + offs_m, mask=m_ok, other=0.0)
     delta = tl.load(delta_ptr + bh.to(tl.int64) * T + offs_m, mask=m_ok, other=0.0)
-    k_base = _slice_base(k_ptr, bh, H, s_kb, s_kh)
-    v_base = _slice_base(v_ptr, bh, H, s_vb, s_vh)
+    k_src = _row_source(_slice_base(k_ptr, bh, H, s_kb, s_kh), T, D, s_kt, TMA, BLOCK_N, BLOCK_D)
+    v_src = _row_source(_slice_base(v_ptr, bh, H, s_vb, s_vh), T, D, s_vt, TMA, BLOCK_N, BLOCK_D)
     dq = tl.full((BLOCK_M, BLOCK_D), 0.0, ACC)
     full, last = _key_block_ranges(start_m, T, CAUSAL, BLOCK_M, BLOCK_N)
-    dq = _dq_blocks(dq, q, do, lse, delta, k_base, v_base, offs_m, offs_d, d_ok, T, qk_scale,
-                    s_kt, s_kd, s_vt, s_vd, 0, full, False, CAUSAL, BLOCK_N, ACC, PRECISION)
-    dq = _dq_blocks(dq, q, do, lse, delta, k_base, v_base, offs_m, offs_d, d_ok, T, qk_scale,
-                    s_kt, s_kd, s_vt, s_vd, full, last, True, CAUSAL, BLOCK_N, ACC, PRECISION)
+    dq = _dq_blocks(dq, q, do, lse, delta, k_src, v_src, offs_m, offs_d, d_ok, T, qk_scale,
+                    s_kt, s_kd, s_vt, s_vd, 0, full, False, CAUSAL, BLOCK_N, ACC, PRECISION, TMA)
+    dq = _dq_blocks(dq, q, do, lse, delta, k_src, v_src, offs_m, offs_d, d_ok, T, qk_scale,
+                    s_kt, s_kd, s_vt, s_vd, full, last, True, CAUSAL, BLOCK_N, ACC, PRECISION, TMA)
     _store_rows(_slice_base(dq_ptr, bh, H, s_db, s_dh), dq * sm_scale, offs_m, offs_d, s_dt,
                 s_dd, m_ok, d_ok)
+
+
+def _loads_through_tma(*operands: torch.Tensor) -> bool:
+    """Whether the kernels' loops read their (T, D) tiles through TMA descriptors (16-bit
+    data on Hopper, unit stride in d, 16-byte aligned slices: see _tma.tma_ok); if so,
+    the scratch allocator the device-made descriptors need is set."""
+    use = tma_ok(*operands)
+    if use:
+        enable_device_descriptors()
+    return use
 
 
 def _common_args(q: torch.Tensor, softmax_scale: float):
@@ -332,6 +365,7 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
         q, k, v, o, lse, qk_scale, H, T, D, triton.next_power_of_2(T),
         *q.stride(), *k.stride(), *v.stride(), *o.stride(),
         CAUSAL=causal, ACC=acc, PRECISION=dot_precision(q), BLOCK_D=block_d,
+        TMA=_loads_through_tma(k, v),
     )
     return o, lse
 
@@ -366,7 +400,8 @@ def attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
     dq, dk, dv = grads.unbind(0)
     args = (qk_scale, softmax_scale, H, T, D, triton.next_power_of_2(T),
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride())
-    meta = dict(CAUSAL=causal, ACC=acc, PRECISION=dot_precision(q), BLOCK_D=block_d)
+    meta = dict(CAUSAL=causal, ACC=acc, PRECISION=dot_precision(q), BLOCK_D=block_d,
+                TMA=_loads_through_tma(q, k, v, do))
     _attn_bwd_dkdv_kernel[lambda m: (triton.cdiv(T, m["BLOCK_N"]), B * H)](
         q, k, v, do, lse, delta, dk, dv, *args, **meta)
     _attn_bwd_dq_kernel[lambda m: (triton.cdiv(T, m["BLOCK_M"]), B * H)](
