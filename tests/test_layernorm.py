@@ -60,23 +60,24 @@ def test_fp16_layer_norm_gelu_within_eager_error(C, approximate):
 
 @pytest.mark.parametrize("C,chunks", [(768, 3), (1280, 5), (1536, 3), (1024, 1), (1500, 1)])
 def test_forward_chunks_rows_without_padding(C, chunks):
-    """With a GELU, rows of 3, 5 or 7 x 2^k (k >= 8) go through the forward in unpadded
-    chunks, the statistics merged chunk by chunk: mean, rstd, y and s equal the one-tile
-    result in fp64, with a large mean and a residual, rows with a tail tile."""
+    """Rows of 3 x 2^k (k >= 8), and with a GELU also 5 or 7 x 2^k, go through the forward
+    in unpadded chunks (the residual form never): mean, rstd and y equal the fp64
+    reference with a large mean, rows with a tail tile, with and without the GELU."""
     from fusedtrain.kernels import layernorm as K
 
-    assert K._row_chunks(C, gelu=True)["N_CHUNKS"] == chunks
-    assert K._row_chunks(C, gelu=False)["N_CHUNKS"] == 1
+    assert K._row_chunks(C, gelu=True, residual=False)["N_CHUNKS"] == chunks
+    assert K._row_chunks(C, gelu=False, residual=False)["N_CHUNKS"] == (
+        chunks if chunks == 3 else 1)
+    assert K._row_chunks(C, gelu=True, residual=True)["N_CHUNKS"] == 1
     x = (1e3 + torch.randn(21, C, dtype=F64)) * (1 + torch.arange(C, dtype=F64) / C)
-    r, w, b = torch.randn(21, C, dtype=F64), torch.randn(C, dtype=F64), torch.randn(C, dtype=F64)
-    y, s, mean, rstd = K.layer_norm_fwd(x, r, w, b, 1e-5, "none", F64, F64)
-    ref_s = x + r
-    torch.testing.assert_close(s, ref_s, rtol=0, atol=0)
-    torch.testing.assert_close(mean, ref_s.mean(-1), rtol=1e-12, atol=1e-12)
-    var = ref_s.var(-1, unbiased=False)
-    torch.testing.assert_close(rstd, (var + 1e-5).rsqrt(), rtol=1e-12, atol=1e-12)
-    ref_y = torch.nn.functional.gelu(torch.nn.functional.layer_norm(ref_s, (C,), w, b, 1e-5))
-    torch.testing.assert_close(y, ref_y, rtol=1e-12, atol=1e-12)
+    w, b = torch.randn(C, dtype=F64), torch.randn(C, dtype=F64)
+    var = x.var(-1, unbiased=False)
+    ref_ln = torch.nn.functional.layer_norm(x, (C,), w, b, 1e-5)
+    for approximate, ref_y in ((None, ref_ln), ("none", torch.nn.functional.gelu(ref_ln))):
+        y, _, mean, rstd = K.layer_norm_fwd(x, None, w, b, 1e-5, approximate, F64, F64)
+        torch.testing.assert_close(mean, x.mean(-1), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(rstd, (var + 1e-5).rsqrt(), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(y, ref_y, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("C", [768, 1000])
