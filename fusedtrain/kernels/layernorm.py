@@ -125,7 +125,8 @@ def _ln_fwd_kernel(
                       HAS_W, HAS_B, GELU, ACC)
     elif N_CHUNKS == 3:
         # C = 3 x BLOCK_C exactly (GPT-2's 768 = 3 x 256): no padded lanes, and the three
-        # chunks stay in registers between the statistics and the output.
+        # chunks stay in registers between the statistics and the output (H200, LayerNorm->
+        # GELU at 16384 x 768: 18.6 us re-reading them from cache, 16.8 held).
         c0 = tl.arange(0, BLOCK_C)
         c1, c2 = c0 + BLOCK_C, c0 + 2 * BLOCK_C
         mask = row_ok[:, None] & (c0 < BLOCK_C)[None, :]
@@ -233,19 +234,19 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _row_chunks(C: int, gelu: bool, residual: bool) -> dict:
-    """The forward's BLOCK_C and N_CHUNKS: rows of C = 3 x a power of two >= 256 (GPT-2's
-    768, 1536, 3072, ...) as three unpadded chunks held in registers, and with a GELU also
-    5 or 7 chunks (1280, 1792, ...), whose second pass re-reads them from cache; otherwise
-    one tile padded to the next power of two. H200, 16384 x 768 (ninth round of
-    docs/perf-notes.md): LayerNorm 14.0 -> 13.5 us in chunks, LayerNorm->GELU 18.6 -> 16.7
-    (a quarter of a padded tile's lanes would compute the GELU for nothing), while the
-    residual form, which reads two inputs and writes two outputs, is slower in chunks
-    (27.0 -> 27.9 us) and stays padded."""
+def _row_chunks(C: int, gelu: bool) -> dict:
+    """The forward's BLOCK_C and N_CHUNKS. With a GELU, rows of C = 3, 5 or 7 x a power of
+    two of at least 256 (GPT-2's 768 = 3 x 256, 1280, 1536, 3072, 5120, ...) go as that
+    many unpadded chunks (three held in registers, five or seven re-read from cache): the
+    GELU's arithmetic bounds that kernel, and at C = 768 a quarter of a padded tile's lanes
+    would compute it for nothing (H200, 16384 x 768: 28 -> 23 us in chunks re-read, 16.8
+    in registers). Otherwise one tile padded to the next power of two: without a GELU the
+    forward is bound by memory and chunks were no faster (LayerNorm 13.5-14.1 us in
+    chunks against 13.9-14.0 padded over two runs; the residual form 27.9 against 27.0;
+    ninth round of docs/perf-notes.md)."""
     chunk = C & -C  # the largest power of two dividing C
-    n = C // chunk
-    if not residual and chunk >= 256 and (n == 3 or (gelu and n in (5, 7))):
-        return {"BLOCK_C": chunk, "N_CHUNKS": n}
+    if gelu and chunk != C and chunk >= 256 and C // chunk <= 7:
+        return {"BLOCK_C": chunk, "N_CHUNKS": C // chunk}
     return {"BLOCK_C": triton.next_power_of_2(C), "N_CHUNKS": 1}
 
 
@@ -282,7 +283,7 @@ def layer_norm_fwd(x: torch.Tensor, residual: torch.Tensor | None, weight: torch
         # the rows first helps LayerNorm (14.5 vs 15.7 us) and hurts the residual form,
         # which reads two inputs and writes two outputs (27.3 vs 26.4 us).
         EVICT="" if residual is not None else "evict_first",
-        ACC=acc_dtype(x), **_row_chunks(C, approximate is not None, residual is not None),
+        ACC=acc_dtype(x), **_row_chunks(C, approximate is not None),
     )
     if residual is not None:
         s = s.view(x.shape)
