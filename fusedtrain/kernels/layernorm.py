@@ -3,7 +3,8 @@
 Forward: each program normalises a tile of BLOCK_M rows x BLOCK_C (C padded to the next
 power of two and masked), or, for LayerNorm->GELU where C is 3, 5 or 7 times a power of
 two >= 256, the rows in that many unpadded chunks (_row_chunks); statistics in fp32
-(fp64 for fp64 data) whatever the input dtype; saves mean and rstd per row.
+(fp64 for fp64 data) whatever the input dtype; writes mean and rstd per row when a
+backward will read them (not under no_grad: inference writes y alone, as Inductor does).
 Tiles (rows per program, warps): autotuned per (C, variant) over a few sizes (_row_tiles).
 Backward: a persistent grid of programs, each walking row tiles pid, pid + G, ... keeping
 its dW / db partial sums in fp32 registers; the (G, 2, C) partials are summed once at
