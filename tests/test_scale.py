@@ -55,6 +55,31 @@ def test_linear_gelu_past_2_31_elements_matches_a_slice():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("op", ["layer_norm", "add_layer_norm"])
+def test_layer_norm_past_2_31_elements_matches_a_slice(op):
+    """Past 2**31 elements the forward switches to int64 row offsets (OFF64): the last
+    rows equal the same rows normalised on their own (int32 offsets), forward and
+    backward, and are not zeros written past an overflow."""
+    M, C = 2_100_000, 1024  # 2.15e9 elements
+    assert M * C > 2 ** 31
+    torch.manual_seed(0)
+    x, r, w, b = _randn(M, C), _randn(M, C), _randn(C, scale=0.1), _randn(C, scale=0.1)
+    args = (x, r, w, b) if op == "add_layer_norm" else (x, w, b)
+    y = getattr(ops, op)(*args)
+    y = y[0] if isinstance(y, tuple) else y
+    dy = torch.randn_like(y)
+    (dx,) = torch.autograd.grad(y, (x,), dy)
+    rows = slice(M - 1000, M)
+    tail = [t[rows].detach().clone().requires_grad_() if t.dim() == 2 else t for t in args]
+    y_tail = getattr(ops, op)(*tail)
+    y_tail = y_tail[0] if isinstance(y_tail, tuple) else y_tail
+    (dx_tail,) = torch.autograd.grad(y_tail, (tail[0],), dy[rows])
+    torch.testing.assert_close(y[rows], y_tail, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(dx[rows], dx_tail, rtol=2e-2, atol=2e-2)
+    assert y[rows].float().abs().mean() > 0.1
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("T", [16384, 32768])
 def test_attention_long_sequences_agree_with_sdpa(T):
     B, H, D = 1, 4, 64
