@@ -1,4 +1,6 @@
 import json
+import os
+import re
 import subprocess
 import sys
 
@@ -52,3 +54,22 @@ def test_host_overhead_without_a_gpu_says_so():
                         "--calls", "1"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 2
     assert "needs a CUDA GPU" in r.stderr
+
+
+def test_compile_report_compiles_the_attention_configs_for_hopper_without_a_gpu(tmp_path):
+    """scripts/compile_report.py: every dq config of the autotuner, compiled for sm_90 by
+    triton's CUDA backend on this (CPU) machine, with its registers, stack and shared
+    memory read back from the cubin."""
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "compile_report.py"),
+                        "--head-dim", "64", "--kernels", "dq"], capture_output=True, text=True,
+                       timeout=600, env={**os.environ, "TRITON_CACHE_DIR": str(tmp_path)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = re.findall(r"dq +BLOCK_M +(\d+) BLOCK_N +(\d+) warps +(\d+) stages (\d): +(\d+) "
+                      r"registers, +(\d+) B stack, +(\d+) KiB shared", r.stdout)
+    from fusedtrain.kernels.attention import BWD_Q_CONFIGS
+
+    assert [tuple(map(int, row[:4])) for row in rows] == [
+        (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)
+        for c in BWD_Q_CONFIGS]
+    for *_, registers, _stack, shared in rows:
+        assert 0 < int(registers) <= 255 and 0 < int(shared) <= 228

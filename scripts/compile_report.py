@@ -1,0 +1,101 @@
+"""Compile the attention kernels' autotune configs for a Hopper GPU (sm_90) on a machine
+without one, and print what each costs in registers, stack (register spills) and shared
+memory per config: a look at register pressure before spending device time.
+
+Triton's CUDA backend compiles without a GPU (its bundled ptxas), and the bundled
+cuobjdump reads the resources of the result. The compiler is this machine's triton, which
+may be newer than the GPU machine's: the figures guide, the GPU decides.
+
+  python scripts/compile_report.py [--head-dim 128] [--causal] [--kernels fwd dkdv dq]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import torch
+
+# Before fusedtrain is imported: kernels must be defined for the GPU, not the interpreter.
+os.environ.pop("TRITON_INTERPRET", None)
+torch.cuda.is_available = lambda: True
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from fusedtrain.kernels import attention as A  # noqa: E402
+
+HOPPER = GPUTarget("cuda", 90, 32)
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+
+# Argument types of the attention kernels (bf16 data, fp32 statistics, i32 sizes/strides).
+_INTS = ["H", "T", "D", "T_BUCKET"] + [f"s_{t}{d}" for t in "qkvogd" for d in "bhtd"]
+SIGNATURE = {**{n: "i32" for n in _INTS},
+             **{n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "o_ptr", "do_ptr", "dq_ptr",
+                                     "dk_ptr", "dv_ptr")},
+             **{n: "*fp32" for n in ("lse_ptr", "delta_ptr", "dq_acc_ptr")},
+             "qk_scale": "fp32", "sm_scale": "fp32"}
+KERNELS = {"fwd": (A._attn_fwd_kernel, A.FWD_CONFIGS),
+           "dkdv": (A._attn_bwd_dkdv_kernel, A.BWD_KV_CONFIGS),
+           "dq": (A._attn_bwd_dq_kernel, A.BWD_Q_CONFIGS)}
+
+
+def jit_function(kernel) -> triton.runtime.jit.JITFunction:
+    while not isinstance(kernel, triton.runtime.jit.JITFunction):
+        kernel = kernel.fn  # through the autotuner
+    return kernel
+
+
+def compile_config(kernel, config: triton.Config, constexprs: dict):
+    fn = jit_function(kernel)
+    # Constexprs the kernel does not take (a branch's flags) are left out.
+    consts = {n: v for n, v in {**constexprs, **config.kwargs}.items() if n in fn.arg_names}
+    signature = {n: "constexpr" if n in consts else SIGNATURE[n] for n in fn.arg_names}
+    source = ASTSource(fn, signature=signature, constexprs=consts)
+    return triton.compile(source, target=HOPPER, options={"num_warps": config.num_warps,
+                                                          "num_stages": config.num_stages})
+
+
+def resources(compiled) -> dict[str, int]:
+    """Registers per thread, stack bytes per thread (spills) and shared memory bytes."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        out = subprocess.run([os.path.join(BIN, "cuobjdump"), "--dump-resource-usage", f.name],
+                             capture_output=True, text=True, check=True).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+)", out)
+    if found is None:
+        raise RuntimeError(f"no resource line in cuobjdump's output:\n{out}")
+    return {"registers": int(found[1]), "stack_bytes": int(found[2]),
+            "shared_bytes": compiled.metadata.shared}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--head-dim", type=int, default=128, help="BLOCK_D (16, 32, 64 or 128)")
+    p.add_argument("--causal", action="store_true")
+    p.add_argument("--kernels", nargs="+", choices=list(KERNELS), default=list(KERNELS))
+    args = p.parse_args(argv)
+    constexprs = dict(CAUSAL=args.causal, ACC=tl.float32, PRECISION="tf32",
+                      BLOCK_D=args.head_dim, TMA=True, DQ_REDUCE=True)
+    print(f"triton {triton.__version__}, target sm_90, bf16, head dim {args.head_dim}, "
+          f"{'causal' if args.causal else 'full'}")
+    for name in args.kernels:
+        kernel, configs = KERNELS[name]
+        for config in configs:
+            m, n = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]
+            r = resources(compile_config(kernel, config, constexprs))
+            print(f"{name:5s} BLOCK_M {m:3d} BLOCK_N {n:3d} warps {config.num_warps:2d} "
+                  f"stages {config.num_stages}: {r['registers']:3d} registers, "
+                  f"{r['stack_bytes']:5d} B stack, {r['shared_bytes'] // 1024:3d} KiB shared",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
