@@ -8,7 +8,7 @@ from conftest import check_against_oracle, grads_of
 from torch.autograd import gradcheck
 
 from fusedtrain import eager, ops
-from fusedtrain.kernels._common import FAST_ERF, gelu, gelu_grad, gelu_mode
+from fusedtrain.kernels._common import FAST_ERF, FAST_TANH, gelu, gelu_grad, gelu_mode
 
 F64 = torch.float64
 
@@ -105,11 +105,20 @@ def test_inference_forward_writes_no_pre_activation():
 
 
 @triton.jit
-def _fast_erf_gelu(h_ptr, y_ptr, dh_ptr, n, BLOCK: tl.constexpr):
+def _gelu_and_grad(h_ptr, y_ptr, dh_ptr, n, APPROX: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.arange(0, BLOCK)
     h = tl.load(h_ptr + offs, mask=offs < n)
-    tl.store(y_ptr + offs, gelu(h, FAST_ERF), mask=offs < n)
-    tl.store(dh_ptr + offs, gelu_grad(h, FAST_ERF), mask=offs < n)
+    tl.store(y_ptr + offs, gelu(h, APPROX), mask=offs < n)
+    tl.store(dh_ptr + offs, gelu_grad(h, APPROX), mask=offs < n)
+
+
+def _gelu_and_grad_on(h: torch.Tensor, approx: int) -> tuple[torch.Tensor, torch.Tensor]:
+    y, dh = torch.empty_like(h), torch.empty_like(h)
+    _gelu_and_grad[(1,)](h, y, dh, h.numel(), APPROX=approx, BLOCK=4096)
+    return y.cpu().double(), dh.cpu().double()
+
+
+_GELU_RANGE = torch.cat([torch.linspace(-12, 12, 3001), torch.tensor([0.0, -1e-30, 1e-30])])
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -119,18 +128,36 @@ def test_fast_erf_gelu_and_its_derivative_hold_fp32_precision(device):
     far below a 16-bit output's rounding. On a GPU its reciprocal is the hardware's."""
     assert gelu_mode("none", torch.ones(1, dtype=torch.bfloat16)) == FAST_ERF.value
     assert gelu_mode("none", torch.ones(1)) == 0
-    h = torch.cat([torch.linspace(-12, 12, 3001), torch.tensor([0.0, -1e-30, 1e-30])])
-    h = h.to(device)
-    y, dh = torch.empty_like(h), torch.empty_like(h)
-    _fast_erf_gelu[(1,)](h, y, dh, h.numel(), BLOCK=4096)
-    h, y, dh = h.cpu(), y.cpu(), dh.cpu()
-    h64 = h.double()
+    y, dh = _gelu_and_grad_on(_GELU_RANGE.to(device), FAST_ERF.value)
+    h64 = _GELU_RANGE.double()
     cdf = 0.5 * (1 + torch.special.erf(h64 / 2 ** 0.5))
     y_ref = h64 * cdf
     dh_ref = cdf + h64 * torch.exp(-0.5 * h64 ** 2) / (2 * torch.pi) ** 0.5
     scale = h64.abs().clamp(min=1)
-    assert ((y.double() - y_ref).abs() / scale).max() < 3e-7
-    assert ((dh.double() - dh_ref).abs() / scale).max() < 3e-7
+    assert ((y - y_ref).abs() / scale).max() < 3e-7
+    assert ((dh - dh_ref).abs() / scale).max() < 3e-7
+    assert torch.isfinite(y).all() and torch.isfinite(dh).all()
+
+
+@pytest.mark.parametrize("approx,device,tol", [
+    (1, "cpu", 1e-6),
+    pytest.param(1, "cuda", 1e-6, marks=pytest.mark.gpu),
+    # FAST_TANH: tanh.approx.f32 (relative error about 2**-11), GPU only, for 16-bit data
+    pytest.param(FAST_TANH.value, "cuda", 2e-3, marks=pytest.mark.gpu),
+])
+def test_tanh_gelu_and_its_derivative_against_fp64(approx, device, tol):
+    """The tanh form (z = h (sqrt(2/pi) + 0.0356774 h^2)) and its derivative against the
+    same formula in fp64 over [-12, 12]: fp32 rounding for the exact tanh, the hardware
+    tanh's error for FAST_TANH, which 16-bit outputs round away."""
+    y, dh = _gelu_and_grad_on(_GELU_RANGE.to(device), approx)
+    h64 = _GELU_RANGE.double()
+    t = torch.tanh((2 / torch.pi) ** 0.5 * (h64 + 0.044715 * h64 ** 3))
+    y_ref = 0.5 * h64 * (1 + t)
+    dz = (2 / torch.pi) ** 0.5 * (1 + 3 * 0.044715 * h64 ** 2)
+    dh_ref = 0.5 * (1 + t) + 0.5 * h64 * (1 - t ** 2) * dz
+    scale = h64.abs().clamp(min=1)
+    assert ((y - y_ref).abs() / scale).max() < tol
+    assert ((dh - dh_ref).abs() / scale).max() < tol
     assert torch.isfinite(y).all() and torch.isfinite(dh).all()
 
 
