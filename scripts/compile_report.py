@@ -3,8 +3,11 @@ without one, and print what each costs in registers, stack (register spills) and
 memory per config: a look at register pressure before spending device time.
 
 Triton's CUDA backend compiles without a GPU (its bundled ptxas), and the bundled
-cuobjdump reads the resources of the result. The compiler is this machine's triton, which
-may be newer than the GPU machine's: the figures guide, the GPU decides.
+cuobjdump reads the resources of the result. Arguments are specialised as at a benchmark
+shape (pointers 16-byte aligned, sizes and strides multiples of 16). The compiler is this
+machine's triton, which may differ from the GPU machine's (put that version first on
+PYTHONPATH, e.g. `pip install --no-deps --target DIR triton==3.6.0`): the figures guide,
+the GPU decides.
 
   python scripts/compile_report.py [--head-dim 128] [--causal] [--kernels fwd dkdv dq]
 """
@@ -57,7 +60,13 @@ def compile_config(kernel, config: triton.Config, constexprs: dict):
     # Constexprs the kernel does not take (a branch's flags) are left out.
     consts = {n: v for n, v in {**constexprs, **config.kwargs}.items() if n in fn.arg_names}
     signature = {n: "constexpr" if n in consts else SIGNATURE[n] for n in fn.arg_names}
-    source = ASTSource(fn, signature=signature, constexprs=consts)
+    # What triton's launcher tells the compiler at a benchmark shape: every pointer 16-byte
+    # aligned and every integer (sizes, strides) a multiple of 16. Without it, loads would
+    # compile to one element per instruction.
+    divisible = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+                 if signature[n] != "constexpr" and (signature[n].startswith("*")
+                                                     or signature[n] == "i32")}
+    source = ASTSource(fn, signature=signature, constexprs=consts, attrs=divisible)
     return triton.compile(source, target=HOPPER, options={"num_warps": config.num_warps,
                                                           "num_stages": config.num_stages})
 
