@@ -38,7 +38,7 @@ HOPPER = GPUTarget("cuda", 90, 32)
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
 # Argument types of the attention kernels (bf16 data, fp32 statistics, i32 sizes/strides).
-_INTS = ["H", "T", "D", "T_BUCKET"] + [f"s_{t}{d}" for t in "qkvogd" for d in "bhtd"]
+_INTS = ["H", "T", "D", "T_BUCKET", "BH", "GROUP"] + [f"s_{t}{d}" for t in "qkvogd" for d in "bhtd"]
 SIGNATURE = {**{n: "i32" for n in _INTS},
              **{n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "o_ptr", "do_ptr", "dq_ptr",
                                      "dk_ptr", "dv_ptr")},

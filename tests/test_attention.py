@@ -6,6 +6,7 @@ from conftest import assert_within_eager_error, check_against_oracle, grads_of
 from torch.autograd import gradcheck
 
 from fusedtrain import eager, ops
+from fusedtrain.kernels import attention as attention_kernels
 
 F64 = torch.float64
 
@@ -35,6 +36,16 @@ def test_large_logits_stay_finite():
     out = ops.flash_attention(q, k, v, causal=True)
     ref = eager.flash_attention(q.double(), k.double(), v.double(), causal=True)
     assert_within_eager_error(out, eager.flash_attention(q, k, v, causal=True), ref, 1e-5, "o")
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_every_block_in_head_groups(causal, monkeypatch):
+    """Programs walk heads in groups (kernels.attention._schedule); with 5 heads in groups
+    of 2, the last group is short, and each head has 3 query and 3 key blocks."""
+    monkeypatch.setattr(attention_kernels, "_heads_per_group", lambda q: 2)
+    q, k, v = _qkv(5, 1, 300, 16)
+    check_against_oracle(lambda *a: ops.flash_attention(*a, causal),
+                         lambda *a: eager.flash_attention(*a, causal), (q, k, v), 1e-12)
 
 
 def test_strided_inputs():

@@ -15,7 +15,9 @@ backward   delta = rowsum(dO * O), then two kernels, neither using atomics:
            dk/dv: one program per key block, looping over query blocks;
            dq:    one program per query block, looping over key blocks.
 Causal: blocks entirely above the diagonal are skipped; only blocks that straddle the
-diagonal or the sequence end run the masked loop body, the rest run unmasked.
+diagonal or the sequence end run the masked loop body, the rest run unmasked. Programs
+start longest first within groups of heads that share L2 (_schedule), so the short ones
+fill the GPU's tail.
 Fully masked rows (none occur in causal self-attention) produce zeros, not NaN.
 Block sizes: triton.autotune keyed on (T bucket, BLOCK_D, causal, TMA) and the dtypes.
 """
@@ -150,18 +152,37 @@ def _key_block_ranges(start_m, T, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
     return full, last
 
 
+@device_fn
+def _schedule(n_blocks, BH, GROUP, LOW_FIRST: tl.constexpr):
+    """Program id -> (batch*head, block). Blocks start in program-id order, and under a
+    causal mask they differ in work (query block m sees m + 1 key blocks, key block n is
+    seen by n_blocks - n query blocks), so each group of GROUP heads runs its blocks
+    longest first, the group's heads side by side: the last programs to start are short
+    and the GPU's tail stays short. GROUP heads' operands fit in L2 together, so the
+    programs of one head, which read the same rows, still run at the same time.
+    LOW_FIRST: block 0 is the longest (key blocks), else the last one is (query blocks)."""
+    pid = tl.program_id(0)
+    group = pid // (GROUP * n_blocks)
+    rank = pid - group * GROUP * n_blocks
+    heads = tl.minimum(GROUP, BH - group * GROUP)
+    step = rank // heads
+    bh = group * GROUP + rank - step * heads
+    block = step if LOW_FIRST else n_blocks - 1 - step
+    return bh, block
+
+
 @autotune(FWD_CONFIGS, key=["T_BUCKET", "BLOCK_D", "CAUSAL", "TMA"], interpret=INTERPRET_CONFIG,
           wide=WIDE_CONFIGS)
 @triton.jit
 def _attn_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, qk_scale, H, T, D, T_BUCKET,
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, qk_scale, H, T, D, T_BUCKET, BH, GROUP,
     s_qb, s_qh, s_qt, s_qd, s_kb, s_kh, s_kt, s_kd, s_vb, s_vh, s_vt, s_vd,
     s_ob, s_oh, s_ot, s_od,
     CAUSAL: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr, BLOCK_D: tl.constexpr,
     TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    start_m = tl.program_id(0) * BLOCK_M
-    bh = tl.program_id(1)
+    bh, block = _schedule(cdiv(T, BLOCK_M), BH, GROUP, False)
+    start_m = block * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     m_ok, d_ok = offs_m < T, offs_d < D
@@ -246,14 +267,14 @@ def _query_block_ranges(start_n, n_q_blocks, CAUSAL: tl.constexpr, BLOCK_M: tl.c
 @triton.jit
 def _attn_bwd_dkdv_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
-    qk_scale, sm_scale, H, T, D, T_BUCKET,
+    qk_scale, sm_scale, H, T, D, T_BUCKET, BH, GROUP,
     s_qb, s_qh, s_qt, s_qd, s_kb, s_kh, s_kt, s_kd, s_vb, s_vh, s_vt, s_vd,
     s_gb, s_gh, s_gt, s_gd, s_db, s_dh, s_dt, s_dd,
     CAUSAL: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr, BLOCK_D: tl.constexpr,
     TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    start_n = tl.program_id(0) * BLOCK_N
-    bh = tl.program_id(1)
+    bh, block = _schedule(cdiv(T, BLOCK_N), BH, GROUP, True)
+    start_n = block * BLOCK_N
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     n_ok, d_ok = offs_n < T, offs_d < D
@@ -311,14 +332,14 @@ def _dq_blocks(dq, q, do, lse, delta, k_src, v_src, offs_m, offs_d, d_ok, T, qk_
 @triton.jit
 def _attn_bwd_dq_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
-    qk_scale, sm_scale, H, T, D, T_BUCKET,
+    qk_scale, sm_scale, H, T, D, T_BUCKET, BH, GROUP,
     s_qb, s_qh, s_qt, s_qd, s_kb, s_kh, s_kt, s_kd, s_vb, s_vh, s_vt, s_vd,
     s_gb, s_gh, s_gt, s_gd, s_db, s_dh, s_dt, s_dd,
     CAUSAL: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr, BLOCK_D: tl.constexpr,
     TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    start_m = tl.program_id(0) * BLOCK_M
-    bh = tl.program_id(1)
+    bh, block = _schedule(cdiv(T, BLOCK_M), BH, GROUP, False)
+    start_m = block * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     m_ok, d_ok = offs_m < T, offs_d < D
@@ -349,11 +370,30 @@ def _loads_through_tma(*operands: torch.Tensor) -> bool:
     return use
 
 
+def _l2_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).L2_cache_size
+    return 50 * 2**20  # the interpreter's: an H100's
+
+
+def _heads_per_group(q: torch.Tensor) -> int:
+    """Heads whose two streamed (T, D) operands fill at most half the L2 cache together:
+    the GROUP of _schedule."""
+    B, H, T, D = q.shape
+    per_head = 2 * T * D * q.element_size()
+    return max(1, min(B * H, _l2_bytes(q.device) // 2 // per_head))
+
+
 def _common_args(q: torch.Tensor, softmax_scale: float):
     B, H, T, D = q.shape
     block_d = max(16, triton.next_power_of_2(D))
     acc = tl.float64 if q.dtype == torch.float64 else tl.float32
     return B, H, T, D, block_d, acc, softmax_scale * LOG2E
+
+
+def _grid(blocks_of: str, T: int, BH: int):
+    """One program per (block, batch*head), in one grid dimension (see _schedule)."""
+    return lambda meta: (triton.cdiv(T, meta[blocks_of]) * BH,)
 
 
 def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
@@ -365,9 +405,9 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     o = output_buffer(q)
     lse = torch.empty((B, H, T), device=q.device,
                       dtype=stat_dtype(q))
-    grid = lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * H)  # noqa: E731
-    _attn_fwd_kernel[grid](
-        q, k, v, o, lse, qk_scale, H, T, D, triton.next_power_of_2(T),
+    _attn_fwd_kernel[_grid("BLOCK_M", T, B * H)](
+        q, k, v, o, lse, qk_scale, H, T, D, triton.next_power_of_2(T), B * H,
+        _heads_per_group(q),
         *q.stride(), *k.stride(), *v.stride(), *o.stride(),
         CAUSAL=causal, ACC=acc, PRECISION=dot_precision(q), BLOCK_D=block_d,
         TMA=_loads_through_tma(k, v),
@@ -403,13 +443,14 @@ def attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
     )
     grads = grad_buffer(q)
     dq, dk, dv = grads.unbind(0)
-    args = (qk_scale, softmax_scale, H, T, D, triton.next_power_of_2(T),
+    args = (qk_scale, softmax_scale, H, T, D, triton.next_power_of_2(T), B * H,
+            _heads_per_group(q),
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride())
     meta = dict(CAUSAL=causal, ACC=acc, PRECISION=dot_precision(q), BLOCK_D=block_d,
                 TMA=_loads_through_tma(q, k, v, do))
-    _attn_bwd_dkdv_kernel[lambda m: (triton.cdiv(T, m["BLOCK_N"]), B * H)](
+    _attn_bwd_dkdv_kernel[_grid("BLOCK_N", T, B * H)](
         q, k, v, do, lse, delta, dk, dv, *args, **meta)
-    _attn_bwd_dq_kernel[lambda m: (triton.cdiv(T, m["BLOCK_M"]), B * H)](
+    _attn_bwd_dq_kernel[_grid("BLOCK_M", T, B * H)](
         q, k, v, do, lse, delta, dq, *args, **meta)
     return grads
 
