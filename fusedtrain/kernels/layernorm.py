@@ -83,6 +83,13 @@ def _input_tile(x_ptr, r_ptr, s_ptr, r_off, cols, mask, s_x, s_r, s_s,
 
 
 @device_fn
+def _inv_sqrt(v):
+    """1 / sqrt(v): the hardware's reciprocal square root in fp32 (within 2 ulp, as in
+    PyTorch's CUDA LayerNorm), an exact division in fp64 (what the gradient checks use)."""
+    return 1.0 / tl.sqrt(v) if v.dtype == tl.float64 else tl.rsqrt(v)
+
+
+@device_fn
 def _affine_store(xhat, w_ptr, b_ptr, y_ptr, r_off, cols, col_ok, mask, s_y,
                   HAS_W: tl.constexpr, HAS_B: tl.constexpr, GELU: tl.constexpr,
                   ACC: tl.constexpr):
@@ -120,8 +127,8 @@ def _ln_fwd_kernel(
         x = _input_tile(x_ptr, r_ptr, s_ptr, r_off, cols, mask, s_x, s_r, s_s,
                         HAS_RES, True, ACC, EVICT)
         mean = row_sum(x, 1) / C
-        xc = tl.where(mask, x - mean[:, None], 0.0)
-        rstd = 1.0 / tl.sqrt(row_sum(xc * xc, 1) / C + eps)
+        xc = x - mean[:, None]  # -mean in padded columns: kept out of the variance alone
+        rstd = _inv_sqrt(row_sum(tl.where(col_ok[None, :], xc * xc, 0.0), 1) / C + eps)
         _affine_store(xc * rstd[:, None], w_ptr, b_ptr, y_ptr, r_off, cols, col_ok, mask, s_y,
                       HAS_W, HAS_B, GELU, ACC)
     elif N_CHUNKS == 3:
@@ -142,7 +149,7 @@ def _ln_fwd_kernel(
         # once (a third of the shuffles and barriers of three reductions).
         mean = row_sum(x0 + x1 + x2, 1) / C
         x0, x1, x2 = x0 - mean[:, None], x1 - mean[:, None], x2 - mean[:, None]
-        rstd = 1.0 / tl.sqrt(row_sum(x0 * x0 + x1 * x1 + x2 * x2, 1) / C + eps)
+        rstd = _inv_sqrt(row_sum(x0 * x0 + x1 * x1 + x2 * x2, 1) / C + eps)
         _affine_store(x0 * rstd[:, None], w_ptr, b_ptr, y_ptr, r_off, c0, col_ok, mask, s_y,
                       HAS_W, HAS_B, GELU, ACC)
         _affine_store(x1 * rstd[:, None], w_ptr, b_ptr, y_ptr, r_off, c1, col_ok, mask, s_y,
@@ -165,7 +172,7 @@ def _ln_fwd_kernel(
             delta = chunk_mean - mean
             mean += delta / (j + 1)
             m2 += row_sum(d * d, 1) + delta * delta * (BLOCK_C * j / (j + 1))
-        rstd = 1.0 / tl.sqrt(m2 / C + eps)
+        rstd = _inv_sqrt(m2 / C + eps)
         for j in tl.static_range(N_CHUNKS):
             cols = j * BLOCK_C + tl.arange(0, BLOCK_C)
             col_ok = cols < C
