@@ -58,11 +58,14 @@ def jit_function(kernel) -> triton.runtime.jit.JITFunction:
 def compile_config(kernel, config: triton.Config, constexprs: dict):
     fn = jit_function(kernel)
     # Constexprs the kernel does not take (a branch's flags) are left out.
-    consts = {n: v for n, v in {**constexprs, **config.kwargs}.items() if n in fn.arg_names}
+    unit_strides = {f"s_{t}d": 1 for t in "qkvogd"}
+    consts = {n: v for n, v in {**unit_strides, **constexprs, **config.kwargs}.items()
+              if n in fn.arg_names}
     signature = {n: "constexpr" if n in consts else SIGNATURE[n] for n in fn.arg_names}
-    # What triton's launcher tells the compiler at a benchmark shape: every pointer 16-byte
-    # aligned and every integer (sizes, strides) a multiple of 16. Without it, loads would
-    # compile to one element per instruction.
+    # What triton's launcher tells the compiler at a benchmark shape: the unit strides of
+    # the head dimension are the constant 1, every pointer is 16-byte aligned and every
+    # other integer (sizes, strides) a multiple of 16. Without it, loads would compile to
+    # one element per instruction.
     divisible = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
                  if signature[n] != "constexpr" and (signature[n].startswith("*")
                                                      or signature[n] == "i32")}

@@ -48,6 +48,20 @@ def test_every_block_in_head_groups(causal, monkeypatch):
                          lambda *a: eager.flash_attention(*a, causal), (q, k, v), 1e-12)
 
 
+def test_heads_per_group_rule(monkeypatch):
+    """Causal: the most heads, a power of two, whose K and V fill a quarter of L2 (on an
+    H200's 60 MiB: 32 / 4 / 2 heads at #5's benchmark shapes, the sizes measured fastest),
+    never more than B * H; without a mask one head at a time."""
+    monkeypatch.setattr(attention_kernels, "_l2_bytes", lambda device: 60 * 2**20)
+    group = attention_kernels._heads_per_group
+    for (B, H, T, D), heads in [((16, 12, 1024, 64), 32), ((4, 16, 4096, 128), 4),
+                                ((2, 16, 8192, 128), 2), ((1, 2, 64, 16), 2),
+                                ((1, 1, 65536, 128), 1)]:
+        q = torch.empty(B, H, T, D, dtype=torch.bfloat16)
+        assert group(q, causal=True) == heads
+        assert group(q, causal=False) == 1
+
+
 def test_strided_inputs():
     base = torch.randn(2, 19, 3, 3, 16, dtype=F64)  # (B, T, 3, H, D), as a packed projection
     q, k, v = (base[:, :, i].transpose(1, 2) for i in range(3))  # (B, H, T, D) views
