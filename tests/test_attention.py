@@ -75,7 +75,7 @@ def test_heads_per_group_rule(monkeypatch):
     """Causal: the most heads, a power of two, whose K and V fill a quarter of L2 (on an
     H200's 60 MiB: 32 / 4 / 2 heads at #5's benchmark shapes, the sizes measured fastest),
     never more than B * H; without a mask one head at a time."""
-    monkeypatch.setattr(attention_kernels, "_l2_bytes", lambda device: 60 * 2**20)
+    monkeypatch.setattr(attention_kernels, "l2_cache_bytes", lambda device: 60 * 2**20)
     group = attention_kernels._heads_per_group
     for (B, H, T, D), heads in [((16, 12, 1024, 64), 32), ((4, 16, 4096, 128), 4),
                                 ((2, 16, 8192, 128), 2), ((1, 2, 64, 16), 2),
