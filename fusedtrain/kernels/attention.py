@@ -11,9 +11,11 @@ H200, bf16: forward+backward 4-7% faster than with pointer loads, forward up to 
 
 forward    one program per (query block, batch*head): online softmax over key blocks,
            o = acc / l written once; saves lse2 = m + log2(l) per row (base-2 log-sum-exp).
-backward   delta = rowsum(dO * O), then two kernels, neither using atomics:
-           dk/dv: one program per key block, looping over query blocks;
-           dq:    one program per query block, looping over key blocks.
+backward   two kernels, neither using atomics:
+           dq:    one program per query block, looping over key blocks; it first
+                  computes delta = rowsum(dO * O) for its rows and stores it;
+           dk/dv: one program per key block, looping over query blocks (reads delta:
+                  launched after dq).
 Causal: blocks entirely above the diagonal are skipped; only blocks that straddle the
 diagonal or the sequence end run the masked loop body, the rest run unmasked. Programs
 start longest first within groups of heads that share L2 (_schedule), so the short ones
@@ -206,23 +208,6 @@ def _attn_fwd_kernel(
     tl.store(lse_ptr + bh.to(tl.int64) * T + offs_m, m_i + tl.log2(l_safe), mask=m_ok)
 
 
-@triton.jit
-def _attn_bwd_delta_kernel(
-    o_ptr, do_ptr, delta_ptr, H, T, D,
-    s_ob, s_oh, s_ot, s_od, s_gb, s_gh, s_gt, s_gd,
-    ACC: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-):
-    bh = tl.program_id(1)
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    m_ok, d_ok = offs_m < T, offs_d < D
-    o = _load_rows(_slice_base(o_ptr, bh, H, s_ob, s_oh), offs_m, offs_d, s_ot, s_od, m_ok, d_ok)
-    do = _load_rows(_slice_base(do_ptr, bh, H, s_gb, s_gh), offs_m, offs_d, s_gt, s_gd, m_ok,
-                    d_ok)
-    delta = row_sum(o.to(ACC) * do.to(ACC), 1)
-    tl.store(delta_ptr + bh.to(tl.int64) * T + offs_m, delta, mask=m_ok)
-
-
 @device_fn
 def _dkdv_blocks(dk, dv, k, v, q_src, do_src, lse_base, delta_base, offs_n, offs_d, d_ok, T,
                  qk_scale, s_qt, s_qd, s_gt, s_gd, blk_lo, blk_hi,
@@ -336,6 +321,7 @@ def _attn_bwd_dq_kernel(
     qk_scale, sm_scale, H, T, D, T_BUCKET, BH, GROUP,
     s_qb, s_qh, s_qt, s_qd, s_kb, s_kh, s_kt, s_kd, s_vb, s_vh, s_vt, s_vd,
     s_gb, s_gh, s_gt, s_gd, s_db, s_dh, s_dt, s_dd,
+    o_ptr, s_ob, s_oh, s_ot, s_od,
     CAUSAL: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr, BLOCK_D: tl.constexpr,
     TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -348,7 +334,9 @@ def _attn_bwd_dq_kernel(
     do = _load_rows(_slice_base(do_ptr, bh, H, s_gb, s_gh), offs_m, offs_d, s_gt, s_gd, m_ok,
                     d_ok)
     lse = tl.load(lse_ptr + bh.to(tl.int64) * T + offs_m, mask=m_ok, other=0.0)
-    delta = tl.load(delta_ptr + bh.to(tl.int64) * T + offs_m, mask=m_ok, other=0.0)
+    o = _load_rows(_slice_base(o_ptr, bh, H, s_ob, s_oh), offs_m, offs_d, s_ot, s_od, m_ok, d_ok)
+    delta = row_sum(o.to(ACC) * do.to(ACC), 1)
+    tl.store(delta_ptr + bh.to(tl.int64) * T + offs_m, delta, mask=m_ok)  # for dk/dv
     k_src = _row_source(_slice_base(k_ptr, bh, H, s_kb, s_kh), T, D, s_kt, TMA, BLOCK_N, BLOCK_D)
     v_src = _row_source(_slice_base(v_ptr, bh, H, s_vb, s_vh), T, D, s_vt, TMA, BLOCK_N, BLOCK_D)
     dq = tl.full((BLOCK_M, BLOCK_D), 0.0, ACC)
@@ -437,12 +425,7 @@ def attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
                   o: torch.Tensor, lse: torch.Tensor, causal: bool, softmax_scale: float):
     """Gradients stacked: (3, B, H, T, D) = [dq, dk, dv], laid out by grad_buffer."""
     B, H, T, D, block_d, acc, qk_scale = _common_args(q, softmax_scale)
-    delta = torch.empty_like(lse)
-    block = 64
-    _attn_bwd_delta_kernel[(triton.cdiv(T, block), B * H)](
-        o, do, delta, H, T, D, *o.stride(), *do.stride(), ACC=acc, BLOCK_D=block_d,
-        BLOCK_M=block,
-    )
+    delta = torch.empty_like(lse)  # rowsum(dO * O): written by the dq kernel
     grads = grad_buffer(q)
     dq, dk, dv = grads.unbind(0)
     args = (qk_scale, softmax_scale, H, T, D, triton.next_power_of_2(T), B * H,
@@ -450,10 +433,10 @@ def attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride())
     meta = dict(CAUSAL=causal, ACC=acc, PRECISION=dot_precision(q), BLOCK_D=block_d,
                 TMA=_loads_through_tma(q, k, v, do))
+    _attn_bwd_dq_kernel[_grid("BLOCK_M", T, B * H)](
+        q, k, v, do, lse, delta, dq, *args, o, *o.stride(), **meta)
     _attn_bwd_dkdv_kernel[_grid("BLOCK_N", T, B * H)](
         q, k, v, do, lse, delta, dk, dv, *args, **meta)
-    _attn_bwd_dq_kernel[_grid("BLOCK_M", T, B * H)](
-        q, k, v, do, lse, delta, dq, *args, **meta)
     return grads
 
 
