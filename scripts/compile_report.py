@@ -4,10 +4,10 @@ memory per config: a look at register pressure before spending device time.
 
 Triton's CUDA backend compiles without a GPU (its bundled ptxas), and the bundled
 cuobjdump reads the resources of the result. Arguments are specialised as at a benchmark
-shape (pointers 16-byte aligned, sizes and strides multiples of 16). The compiler is this
-machine's triton, which may differ from the GPU machine's (put that version first on
-PYTHONPATH, e.g. `pip install --no-deps --target DIR triton==3.6.0`): the figures guide,
-the GPU decides.
+shape (pointers 16-byte aligned, the head dimension's strides 1, other sizes and strides
+multiples of 16). The compiler is this machine's triton, which may differ from the GPU
+machine's (put that version first on PYTHONPATH, e.g. `pip install --no-deps --target DIR
+triton==3.6.0`): the figures guide, the GPU decides.
 
   python scripts/compile_report.py [--head-dim 128] [--causal] [--kernels fwd dkdv dq]
 """
@@ -42,7 +42,7 @@ _INTS = ["H", "T", "D", "T_BUCKET", "BH", "GROUP"] + [f"s_{t}{d}" for t in "qkvo
 SIGNATURE = {**{n: "i32" for n in _INTS},
              **{n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "o_ptr", "do_ptr", "dq_ptr",
                                      "dk_ptr", "dv_ptr")},
-             **{n: "*fp32" for n in ("lse_ptr", "delta_ptr", "dq_acc_ptr")},
+             **{n: "*fp32" for n in ("lse_ptr", "delta_ptr")},
              "qk_scale": "fp32", "sm_scale": "fp32"}
 KERNELS = {"fwd": (A._attn_fwd_kernel, A.FWD_CONFIGS),
            "dkdv": (A._attn_bwd_dkdv_kernel, A.BWD_KV_CONFIGS),
@@ -57,7 +57,8 @@ def jit_function(kernel) -> triton.runtime.jit.JITFunction:
 
 def compile_config(kernel, config: triton.Config, constexprs: dict):
     fn = jit_function(kernel)
-    # Constexprs the kernel does not take (a branch's flags) are left out.
+    # Names the kernel does not take (unit strides of tensors it has no pointer to)
+    # are left out.
     unit_strides = {f"s_{t}d": 1 for t in "qkvogd"}
     consts = {n: v for n, v in {**unit_strides, **constexprs, **config.kwargs}.items()
               if n in fn.arg_names}
@@ -95,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--kernels", nargs="+", choices=list(KERNELS), default=list(KERNELS))
     args = p.parse_args(argv)
     constexprs = dict(CAUSAL=args.causal, ACC=tl.float32, PRECISION="tf32",
-                      BLOCK_D=args.head_dim, TMA=True, DQ_REDUCE=True)
+                      BLOCK_D=args.head_dim, TMA=True)
     print(f"triton {triton.__version__}, target sm_90, bf16, head dim {args.head_dim}, "
           f"{'causal' if args.causal else 'full'}")
     for name in args.kernels:

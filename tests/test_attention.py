@@ -2,6 +2,8 @@ import shutil
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from conftest import assert_within_eager_error, check_against_oracle, grads_of
 from torch.autograd import gradcheck
 
@@ -48,11 +50,32 @@ def test_every_block_in_head_groups(causal, monkeypatch):
                          lambda *a: eager.flash_attention(*a, causal), (q, k, v), 1e-12)
 
 
+@triton.jit
+def _schedule_map(out_ptr, n_blocks, BH, GROUP, LOW_FIRST: tl.constexpr):
+    bh, block = attention_kernels._schedule(n_blocks, BH, GROUP, LOW_FIRST)
+    tl.store(out_ptr + 2 * tl.program_id(0), bh)
+    tl.store(out_ptr + 2 * tl.program_id(0) + 1, block)
+
+
+@pytest.mark.parametrize("n_blocks,BH,group", [(3, 5, 2), (1, 4, 4), (7, 3, 1), (4, 6, 4)])
+@pytest.mark.parametrize("low_first", [True, False])
+def test_schedule_visits_every_block_once_longest_first(n_blocks, BH, group, low_first):
+    """Program ids map one to one onto (head, block); within a group of heads, the blocks
+    come longest first (block 0 first for key blocks, the last for query blocks)."""
+    out = torch.empty(n_blocks * BH, 2, dtype=torch.int32)
+    _schedule_map[(n_blocks * BH,)](out, n_blocks, BH, group, LOW_FIRST=low_first)
+    assert sorted(map(tuple, out.tolist())) == [(h, b) for h in range(BH) for b in range(n_blocks)]
+    for first in range(0, BH, group):
+        heads = set(range(first, min(first + group, BH)))
+        steps = [b if low_first else n_blocks - 1 - b for h, b in out.tolist() if h in heads]
+        assert steps == sorted(steps)
+
+
 def test_heads_per_group_rule(monkeypatch):
     """Causal: the most heads, a power of two, whose K and V fill a quarter of L2 (on an
     H200's 60 MiB: 32 / 4 / 2 heads at #5's benchmark shapes, the sizes measured fastest),
     never more than B * H; without a mask one head at a time."""
-    monkeypatch.setattr(attention_kernels, "_l2_bytes", lambda device: 60 * 2**20)
+    monkeypatch.setattr(attention_kernels, "l2_cache_bytes", lambda device: 60 * 2**20)
     group = attention_kernels._heads_per_group
     for (B, H, T, D), heads in [((16, 12, 1024, 64), 32), ((4, 16, 4096, 128), 4),
                                 ((2, 16, 8192, 128), 2), ((1, 2, 64, 16), 2),

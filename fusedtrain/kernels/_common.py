@@ -248,13 +248,25 @@ def dot_precision(t: torch.Tensor) -> str:
 
 
 @functools.lru_cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+def _properties(device_index: int):
+    return torch.cuda.get_device_properties(device_index)
+
+
+def _device_properties(device: torch.device):
+    """A CUDA device's properties (cached: the query costs microseconds)."""
+    return _properties(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device (cached: the query costs microseconds)."""
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    """Streaming multiprocessors of a CUDA device."""
+    return _device_properties(device).multi_processor_count
+
+
+def l2_cache_bytes(device: torch.device) -> int:
+    """L2 cache size of a CUDA device; under the interpreter, an H100's 50 MiB."""
+    if device.type != "cuda":
+        return 50 * 2**20
+    return _device_properties(device).L2_cache_size
 
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)

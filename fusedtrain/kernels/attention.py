@@ -35,6 +35,7 @@ from fusedtrain.kernels._common import (
     cdiv,
     device_fn,
     dot_precision,
+    l2_cache_bytes,
     row_max,
     row_sum,
     stat_dtype,
@@ -377,12 +378,6 @@ def _loads_through_tma(*operands: torch.Tensor) -> bool:
     return use
 
 
-def _l2_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).L2_cache_size
-    return 50 * 2**20  # the interpreter's: an H100's
-
-
 def _heads_per_group(q: torch.Tensor, causal: bool) -> int:
     """The GROUP of _schedule. Under a causal mask: the most heads, a power of two, whose
     two streamed (T, D) operands fill at most a quarter of the L2 cache together. On the
@@ -394,7 +389,7 @@ def _heads_per_group(q: torch.Tensor, causal: bool) -> int:
     B, H, T, D = q.shape
     if not causal:
         return 1
-    fit = max(1, _l2_bytes(q.device) // 4 // (2 * T * D * q.element_size()))
+    fit = max(1, l2_cache_bytes(q.device) // 4 // (2 * T * D * q.element_size()))
     return min(B * H, 1 << (fit.bit_length() - 1))
 
 

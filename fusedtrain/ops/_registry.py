@@ -14,6 +14,13 @@ def dispatcher_needed() -> bool:
     return torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None
 
 
+def backward_wanted(*tensors: torch.Tensor | None) -> bool:
+    """Whether autograd will call the op's backward: grad mode on and some input needing
+    a gradient. Otherwise what only backward reads (saved pre-activations, statistics)
+    need not be written."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 _OP_NAMES: list[str] = []  # every fusedtrain:: op, in registration order
 
 

@@ -13,7 +13,7 @@ import torch
 from fusedtrain import eager
 from fusedtrain.kernels import layernorm as K
 from fusedtrain.kernels._common import stat_dtype
-from fusedtrain.ops._registry import launcher
+from fusedtrain.ops._registry import backward_wanted, launcher
 from fusedtrain.ops._validate import (
     autocast_dtype,
     check_approximate,
@@ -111,11 +111,6 @@ class AddLayerNormFunction(torch.autograd.Function):
         return (dx, dres, *_param_grads(sums, weight, bias), None, None, None)
 
 
-def _needs_grad(*tensors: Tensor | None) -> bool:
-    """Whether autograd will call the backward: only then are the statistics written."""
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-
-
 def _check(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float,
            residual: Tensor | None = None) -> torch.dtype:
     """Validate; return the output dtype (the autocast dtype under autocast)."""
@@ -153,7 +148,7 @@ def layer_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None,
     if x.numel() == 0:
         return eager.layer_norm(x, weight, bias, eps).to(out_dtype)
     return LayerNormFunction.apply(x, weight, bias, eps, "", out_dtype,
-                                   _needs_grad(x, weight, bias))
+                                   backward_wanted(x, weight, bias))
 
 
 def add_layer_norm(x: Tensor, residual: Tensor, weight: Tensor | None, bias: Tensor | None,
@@ -166,7 +161,7 @@ def add_layer_norm(x: Tensor, residual: Tensor, weight: Tensor | None, bias: Ten
         y, s = eager.add_layer_norm(x, residual, weight, bias, eps)
         return y.to(out_dtype), s
     return AddLayerNormFunction.apply(x, residual, weight, bias, eps, out_dtype,
-                                      _needs_grad(x, residual, weight, bias))
+                                      backward_wanted(x, residual, weight, bias))
 
 
 def layer_norm_gelu(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float = 1e-5,
@@ -177,4 +172,4 @@ def layer_norm_gelu(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: 
     if x.numel() == 0:
         return eager.layer_norm_gelu(x, weight, bias, eps, approximate).to(out_dtype)
     return LayerNormFunction.apply(x, weight, bias, eps, approximate, out_dtype,
-                                   _needs_grad(x, weight, bias))
+                                   backward_wanted(x, weight, bias))

@@ -13,7 +13,7 @@ from torch.utils.flop_counter import register_flop_formula
 
 from fusedtrain import eager
 from fusedtrain.kernels import linear_gelu as K
-from fusedtrain.ops._registry import launcher
+from fusedtrain.ops._registry import backward_wanted, launcher
 from fusedtrain.ops._validate import (
     autocast_cast,
     check_approximate,
@@ -147,12 +147,6 @@ class FusedMLPFunction(torch.autograd.Function):
 # ---------------------------------------------------------------- public ops
 
 
-def _wants_grad(*tensors: Tensor | None) -> bool:
-    """Whether autograd will want a backward: otherwise h, which only backward reads, is
-    not written (one (M x N) store less in inference)."""
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-
-
 def _check_linear(x: Tensor, weight: Tensor, bias: Tensor | None, wname: str, bname: str,
                   in_features: int) -> None:
     check_tensor(wname, weight, ndim=2)
@@ -180,7 +174,7 @@ def linear_gelu(x: Tensor, weight: Tensor, bias: Tensor | None = None,
     if x.numel() == 0:
         return eager.linear_gelu(x, weight, bias, approximate)
     x2 = x.reshape(-1, x.shape[-1])
-    y = (LinearGELUFunction.apply(x2, weight, bias, approximate) if _wants_grad(x, weight, bias)
+    y = (LinearGELUFunction.apply(x2, weight, bias, approximate) if backward_wanted(x, weight, bias)
          else _linear_gelu_infer(x2, weight, bias, approximate))
     return y.view(*x.shape[:-1], weight.shape[0])
 
@@ -201,7 +195,7 @@ def fused_mlp(x: Tensor, fc_weight: Tensor, fc_bias: Tensor | None, proj_weight:
     if x.numel() == 0:
         return eager.fused_mlp(x, fc_weight, fc_bias, proj_weight, proj_bias, approximate)
     x2 = x.reshape(-1, x.shape[-1])
-    if _wants_grad(x, fc_weight, fc_bias, proj_weight, proj_bias):
+    if backward_wanted(x, fc_weight, fc_bias, proj_weight, proj_bias):
         y = FusedMLPFunction.apply(x2, fc_weight, fc_bias, proj_weight, proj_bias, approximate)
     else:
         y = F.linear(_linear_gelu_infer(x2, fc_weight, fc_bias, approximate), proj_weight,
