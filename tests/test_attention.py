@@ -85,6 +85,15 @@ def test_heads_per_group_rule(monkeypatch):
         assert group(q, causal=False) == 1
 
 
+def test_dkdv_configs_timed_at_head_dim_128():
+    """The dk/dv autotuner skips 4-warp 128-key tiles at D=128 (they spill), not at D=64."""
+    configs = attention_kernels.BWD_KV_CONFIGS
+    kept = [c for c in configs if attention_kernels._dkdv_fits(c, BLOCK_D=128)]
+    assert kept and all(c.num_warps == 8 or c.kwargs["BLOCK_N"] == 64 for c in kept)
+    assert len(kept) < len(configs)
+    assert all(attention_kernels._dkdv_fits(c, BLOCK_D=64) for c in configs)
+
+
 def test_strided_inputs():
     base = torch.randn(2, 19, 3, 3, 16, dtype=F64)  # (B, T, 3, H, D), as a packed projection
     q, k, v = (base[:, :, i].transpose(1, 2) for i in range(3))  # (B, H, T, D) views

@@ -273,19 +273,22 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def autotune(configs: list[triton.Config], key: list[str], interpret: triton.Config,
-             wide: list[triton.Config], **kwargs):
+             wide: list[triton.Config], keep: Callable[..., bool] | None = None, **kwargs):
     """triton.autotune over `configs` for 16-bit data on a GPU, over the small `wide`
     configs for fp32/fp64 data (large tiles of 4- and 8-byte elements overflow shared
     memory or take minutes to compile, and those dtypes are for checking, not speed),
     and under the interpreter the single `interpret` config (tuned for few, large
-    programs, which the interpreter runs fastest). The GPU choice is cached on disk
-    where this Triton supports it, so a second process does not re-tune."""
+    programs, which the interpreter runs fastest). `keep(config, **constexprs)`, if
+    given, drops 16-bit candidates for a call's constexprs. The GPU choice is cached on
+    disk where this Triton supports it, so a second process does not re-tune."""
     if INTERPRET:
         configs = [interpret]
 
-    def by_dtype(candidates, named_args, **_):
+    def by_dtype(candidates, named_args, **constexprs):
         data = next(a for a in named_args.values() if isinstance(a, torch.Tensor))
-        return wide if data.element_size() >= 4 else candidates
+        if data.element_size() >= 4:
+            return wide
+        return [c for c in candidates if keep is None or keep(c, **constexprs)] or candidates
 
     return cached_autotune(configs, key, by_dtype, **kwargs)
 
