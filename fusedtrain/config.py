@@ -30,6 +30,7 @@ class RunConfig:
     deterministic: bool = False
     tensorboard: bool = False
     cuda_graph: bool = False
+    autograd_threads: bool = False
 
 
 def _build(cls, section: str, values: dict):
@@ -122,4 +123,5 @@ def build_run_config(cfg: DictConfig) -> RunConfig:
     return RunConfig(model=model, data=data, optim=optim, trainer=trainer, seed=int(c["seed"]),
                      compile=compile, ckpt_path=c.get("ckpt_path"),
                      throughput_skip_steps=skip, deterministic=bool(c.get("deterministic")),
-                     tensorboard=bool(c.get("tensorboard")), cuda_graph=cuda_graph)
+                     tensorboard=bool(c.get("tensorboard")), cuda_graph=cuda_graph,
+                     autograd_threads=bool(c.get("autograd_threads", False)))

@@ -115,11 +115,13 @@ class _GraphedLoss:
 
 class GPTModule(L.LightningModule):
     def __init__(self, model_cfg: GPTConfig, optim_cfg: OptimConfig, max_steps: int,
-                 compile: bool | str = False, cuda_graph: bool = False):
+                 compile: bool | str = False, cuda_graph: bool = False,
+                 autograd_threads: bool = False):
         super().__init__()
         self.save_hyperparameters({"model": model_cfg.to_dict(), "optim": vars(optim_cfg),
                                    "max_steps": max_steps, "compile": compile,
-                                   "cuda_graph": cuda_graph})
+                                   "cuda_graph": cuda_graph,
+                                   "autograd_threads": autograd_threads})
         self.model_cfg, self.optim_cfg, self.max_steps = model_cfg, optim_cfg, max_steps
         self.model = GPT(model_cfg)
         self.compile = compile
@@ -138,6 +140,7 @@ class GPTModule(L.LightningModule):
         self._inductor_graphs = compile == "reduce-overhead"
         self._replayed = cuda_graph or self._inductor_graphs
         self.cuda_graph = cuda_graph
+        self.autograd_threads = autograd_threads
         # (batch shape, graphed loss), made at the first training step; a tuple, so that
         # the graphed pieces are not registered as submodules (nor saved in checkpoints).
         self._graph: tuple[torch.Size, _GraphedLoss] | None = None
@@ -154,6 +157,14 @@ class GPTModule(L.LightningModule):
         logged = loss.detach().clone() if self._replayed else loss
         self.log("train/loss", logged, prog_bar=True, sync_dist=True)  # mean over ranks
         return loss
+
+    def backward(self, loss: torch.Tensor, *args, **kwargs) -> None:
+        """Backward on this thread unless autograd_threads: PyTorch runs the backward of
+        CUDA tensors on a worker thread per device, and each Python backward node (every
+        fused op's) then pays a hand-over between the threads; the plain fused gpt2 step on
+        an H200 host ran 1.47x faster without it (docs/perf-notes.md, eleventh round)."""
+        with torch.autograd.set_multithreading_enabled(self.autograd_threads):
+            super().backward(loss, *args, **kwargs)
 
     def _train_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         if not self.cuda_graph:

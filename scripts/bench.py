@@ -608,6 +608,10 @@ def _run_shape_args(parser: argparse.ArgumentParser, steps: int) -> None:
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=steps)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--autograd-threads", action="store_true",
+                        help="run backward on autograd's per-GPU worker thread (PyTorch's "
+                             "default) instead of the calling thread, as scripts/train.py "
+                             "does with autograd_threads=true")
 
 
 def main(argv=None) -> int:
@@ -649,6 +653,9 @@ def main(argv=None) -> int:
     q.add_argument("--data", default="stdlib", choices=["synthetic", "stdlib"])
     q.add_argument("--out", default="results")
     args = p.parse_args(argv)
+    # Every variant's backward on this thread (train.py's default, autograd_threads=false):
+    # the fused ops' Python backward nodes then skip a hand-over to autograd's worker.
+    torch.autograd.set_multithreading_enabled(getattr(args, "autograd_threads", True))
     if args.cmd == "parity":
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
@@ -673,7 +680,7 @@ def main(argv=None) -> int:
         out.mkdir(parents=True, exist_ok=True)
         info = env() if torch.cuda.is_available() else {"device": "cpu"}
         info.update(model=args.model, batch=args.batch, seq=args.seq, steps=args.steps,
-                    compile_mode=args.compile_mode)
+                    compile_mode=args.compile_mode, autograd_threads=args.autograd_threads)
         print(json.dumps(info), flush=True)
         def save(results):
             (out / "train.json").write_text(json.dumps({"env": info, "results": results},

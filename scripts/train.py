@@ -113,7 +113,7 @@ def train(cfg: DictConfig) -> dict:
     datamodule = TokenDataModule(run.data, run.model.block_size, run.model.vocab_size,
                                  run.seed, max_steps)
     module = GPTModule(run.model, run.optim, max_steps, compile=run.compile,
-                       cuda_graph=run.cuda_graph)
+                       cuda_graph=run.cuda_graph, autograd_threads=run.autograd_threads)
     throughput = ThroughputMonitor(skip_steps=run.throughput_skip_steps)
     ckpt_dir = run_dir / "checkpoints"
     checkpoints = ModelCheckpoint(dirpath=str(ckpt_dir), filename="step{step}",

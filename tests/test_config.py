@@ -83,3 +83,8 @@ def test_cuda_graph_refuses_what_it_cannot_capture(overrides, match):
 def test_cuda_graph_needs_a_gpu():
     with pytest.raises(ConfigError, match="needs a CUDA GPU"):
         build_run_config(_compose(["cuda_graph=true"]))
+
+
+def test_autograd_threads_is_off_unless_asked():
+    assert build_run_config(_compose([])).autograd_threads is False
+    assert build_run_config(_compose(["autograd_threads=true"])).autograd_threads is True

@@ -131,3 +131,19 @@ def test_reduce_overhead_compile_marks_each_step_and_logs_a_copy(monkeypatch):
     assert logged[0] is not loss and torch.equal(logged[0], loss.detach())
     plain = GPTModule(cfg, OptimConfig(), max_steps=10, compile=True)
     assert modes[-1] is None and not plain._replayed
+
+
+@pytest.mark.parametrize("threads", [False, True])
+def test_backward_runs_with_autograd_threads_as_configured(threads):
+    """autograd_threads=false (the default) turns autograd's device worker threads off for
+    the backward call only; true leaves PyTorch's default."""
+    cfg = GPTConfig(block_size=16, vocab_size=64, n_layer=1, n_head=2, n_embd=16)
+    module = GPTModule(cfg, OptimConfig(), max_steps=10, autograd_threads=threads)
+    seen = []
+    x = torch.ones(3, requires_grad=True)
+    y = x * 2
+    y.register_hook(lambda g: seen.append(torch._C._is_multithreading_enabled()))
+    module.backward(y.sum())
+    assert seen == [threads]
+    assert torch._C._is_multithreading_enabled()  # restored afterwards
+    torch.testing.assert_close(x.grad, torch.full((3,), 2.0))
