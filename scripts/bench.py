@@ -653,8 +653,10 @@ def main(argv=None) -> int:
     q.add_argument("--data", default="stdlib", choices=["synthetic", "stdlib"])
     q.add_argument("--out", default="results")
     args = p.parse_args(argv)
-    # Every variant's backward on this thread (train.py's default, autograd_threads=false):
-    # the fused ops' Python backward nodes then skip a hand-over to autograd's worker.
+    # `train` and `profile` run backward on this thread unless --autograd-threads, as
+    # train.py does (autograd_threads=false): the fused ops' Python backward nodes then
+    # skip a hand-over to autograd's worker thread. The other commands keep PyTorch's
+    # default. (Called, not entered: the setting holds for the whole process.)
     torch.autograd.set_multithreading_enabled(getattr(args, "autograd_threads", True))
     if args.cmd == "parity":
         out = Path(args.out)
