@@ -18,6 +18,9 @@
       kernels by GPU time -> DIR/profile-VARIANT.txt
 
 A table goes to stdout. Needs a CUDA GPU (the train part also runs on CPU for a smoke test).
+`train` and `profile` run backward on the calling thread, as scripts/train.py does;
+--autograd-threads gives PyTorch's worker thread instead. The benchmarks themselves are
+fusedtrain/bench/kernels.py and fusedtrain/bench/training.py; this is their command line.
 """
 
 from __future__ import annotations
