@@ -5,7 +5,6 @@ scripts/bench.py train|parity|profile` runs them."""
 
 from __future__ import annotations
 
-import contextlib
 import signal
 import time
 from pathlib import Path
@@ -225,24 +224,31 @@ def run_profile(args) -> str:
     return "\n".join(lines)
 
 
-@contextlib.contextmanager
-def _time_limit(seconds: int):
+class _TimeLimit:
     """Raise TimeoutError in this (main) thread after `seconds` (0: no limit), so a variant
-    whose compilation runs away is recorded as failed and the others still run."""
-    if not seconds:
-        yield
-        return
+    whose compilation runs away is recorded as failed and the others still run.
+    `expired` says whether the alarm fired, whatever the interrupted code then raised:
+    torch.compile may wrap the TimeoutError in an error of its own, or fail differently
+    for having been stopped halfway."""
 
-    def expire(signum, frame):
-        raise TimeoutError(f"variant took longer than {seconds} s")
+    def __init__(self, seconds: int):
+        self.seconds, self.expired = seconds, False
 
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
+    def _expire(self, signum, frame):
+        self.expired = True
+        raise TimeoutError(f"variant took longer than {self.seconds} s")
+
+    def __enter__(self):
+        if self.seconds:
+            self._previous = signal.signal(signal.SIGALRM, self._expire)
+            signal.alarm(self.seconds)
+        return self
+
+    def __exit__(self, *exc):
+        if self.seconds:
+            signal.alarm(0)
+            signal.signal(signal.SIGALRM, self._previous)
+        return False
 
 
 def run_train(args, save=lambda results: None) -> dict:
@@ -255,15 +261,18 @@ def run_train(args, save=lambda results: None) -> dict:
     results = {}
     for name, v in variants.items():
         t0 = time.time()
+        limit = _TimeLimit(args.variant_timeout)
         try:
-            with _time_limit(args.variant_timeout):
+            with limit:
                 results[name] = bench_train_variant(args.model, args.batch, args.seq,
                                                     args.steps, args.warmup, v, device,
                                                     args.data)
         except torch.OutOfMemoryError as e:
             results[name] = {"error": f"out of memory: {str(e)[:100]}"}
         except Exception as e:  # one failing variant must not lose the others' figures
-            results[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+            results[name] = {"error": f"variant took longer than {limit.seconds} s "
+                                      f"(stopped in {type(e).__name__})" if limit.expired
+                             else f"{type(e).__name__}: {str(e)[:300]}"}
         save(results)
         if device == "cuda":
             torch.cuda.empty_cache()
