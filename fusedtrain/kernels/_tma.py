@@ -61,17 +61,14 @@ class TmaConfig:
 _INTERPRET_CONFIG = TmaConfig(128, 128, 64, 4, 1)
 
 
-def tma_config(N: int, K: int | None = None) -> TmaConfig:
+def tma_config(N: int) -> TmaConfig:
     """Tiles for an (M x N) output on an H200, from scripts/tune_tma.py's sweep (see
     docs/perf-notes.md): 128 x 256 x 64 tiles, 8 warps, 3 stages, and 128-wide tiles
-    where N is too narrow for 256. K: the reduction's length, given by kernels whose
-    epilogue only stores; where it is short (<= 768) their epilogue is a large share of a
-    tile's time, and two programs per SM of 128 x 128 tiles (4 warps) overlap one's
-    epilogue with the other's MMAs (measured 4-5% faster at K = 768, slower from 1024)."""
+    where N is too narrow for 256. (Two programs per SM of 128 x 128 tiles won 4-5% at
+    K = 768 for the forwards in the sweep's cold-cache timing and lost up to 4% in the
+    benchmark's CUDA-graph replays: not chosen.)"""
     if INTERPRET:
         return _INTERPRET_CONFIG
-    if K is not None and K <= 768:
-        return TmaConfig(block_n=128, num_warps=4, per_sm=2)
     return TmaConfig(block_n=256 if N >= 256 else 128)
 
 

@@ -228,7 +228,7 @@ def linear_gelu_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     b_arg = bias if bias is not None else x
     flags = dict(HAS_BIAS=bias is not None, STORE_H=store_h, **gemm_flags(x, approximate))
     if tma_ok(x, weight, y):
-        cfg = config or tma_config(N, K)
+        cfg = config or tma_config(N)
         tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
         launch(_linear_gelu_fwd_tma_kernel, tiles, x.device,
                x, weight, b_arg, y, h_arg, M, N, K,

@@ -220,7 +220,7 @@ def qkv_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n_
     flags = dict(HAS_BIAS=bias is not None, **gemm_flags(x))
     b_arg = bias if bias is not None else x
     if tma_ok(x, weight) and (B == 1 or x.stride(0) == T * x.stride(1)):
-        cfg = config or tma_config(C, C)
+        cfg = config or tma_config(C)
         tiles = triton.cdiv(M, cfg.block_m) * 3 * triton.cdiv(C, cfg.block_n)
         launch(_qkv_fwd_tma_kernel, tiles, x.device, x, weight, b_arg, q, k, v, M, C, T, D,
                x.stride(1), weight.stride(0), *q.stride(), config=cfg, **flags)
