@@ -234,6 +234,20 @@ def test_split_k_count_balances_the_persistent_grid(monkeypatch):
     assert K.k_splits(66, 2048, None) == 2  # 132 items: one full wave
     assert K.k_splits(66, 1024, None) == 1  # K too short to split
     assert K.k_splits(512, 16384, None) == 1  # already > 3 waves of whole tiles
+    assert K.k_splits(132, 16384, None) == 1  # one full wave already
+    assert K.k_splits(132, 16384, None, per_sm=2) == 2  # two programs per SM: half a wave
+
+
+def test_tma_launch_runs_per_sm_programs_and_caps_registers_only_when_asked(monkeypatch):
+    from fusedtrain.kernels import _tma
+
+    monkeypatch.setattr(_tma, "INTERPRET", False)
+    monkeypatch.setattr(_tma, "sm_count", lambda device: 132)
+    assert _tma.TmaConfig().programs(1000, None) == 132
+    assert _tma.TmaConfig(per_sm=2).programs(1000, None) == 264
+    assert _tma.TmaConfig(per_sm=2).programs(100, None) == 100  # one per tile at most
+    assert "maxnreg" not in _tma.TmaConfig().meta()
+    assert _tma.TmaConfig(maxnreg=128).meta()["maxnreg"] == 128
 
 
 def test_fused_mlp_saves_only_x_and_h():

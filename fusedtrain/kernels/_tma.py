@@ -1,6 +1,6 @@
 """Persistent GEMMs that load through TMA tensor descriptors (Hopper's bulk-copy engine).
 
-A kernel built on these helpers launches one program per SM, walks its share of the
+A kernel built on these helpers launches one program per SM (or two), walks its share of the
 output tiles in one flattened loop (so the compiler pipelines the next tile's loads
 under this tile's epilogue), reads A and B tiles through TMA descriptors (rows and
 columns past the tensor's end read as zero, stores past it are dropped: no masks), and
@@ -39,11 +39,22 @@ class TmaConfig:
     num_warps: int = 8
     num_stages: int = 3
     group_m: int = 8
+    # Programs per SM: 2 (when two fit in registers and shared memory) lets one program's
+    # epilogue run while the other's MMAs do.
+    per_sm: int = 1
+    maxnreg: int | None = None  # a register cap per thread, so that two programs fit
 
     def meta(self) -> dict:
+        """The kernel's tile constexprs and launch options."""
+        cap = {} if self.maxnreg is None else {"maxnreg": self.maxnreg}
         return {"BLOCK_M": self.block_m, "BLOCK_N": self.block_n, "BLOCK_K": self.block_k,
                 "GROUP_M": self.group_m, "num_warps": self.num_warps,
-                "num_stages": self.num_stages}
+                "num_stages": self.num_stages, **cap}
+
+    def programs(self, work_items: int, device: torch.device) -> int:
+        """Programs of a persistent launch over `work_items` tiles: per_sm per SM, at most
+        one per item (one under the interpreter)."""
+        return 1 if INTERPRET else min(work_items, self.per_sm * sm_count(device))
 
 
 # The interpreter runs few, large programs fastest; tile shape does not matter to it.
@@ -53,7 +64,9 @@ _INTERPRET_CONFIG = TmaConfig(128, 128, 64, 4, 1)
 def tma_config(N: int) -> TmaConfig:
     """Tiles for an (M x N) output on an H200, from scripts/tune_tma.py's sweep (see
     docs/perf-notes.md): 128 x 256 x 64 tiles, 8 warps, 3 stages, and 128-wide tiles
-    where N is too narrow for 256."""
+    where N is too narrow for 256. (Two programs per SM of 128 x 128 tiles won 4-5% at
+    K = 768 for the forwards in the sweep's cold-cache timing and lost up to 4% in the
+    benchmark's CUDA-graph replays: not chosen.)"""
     if INTERPRET:
         return _INTERPRET_CONFIG
     return TmaConfig(block_n=256 if N >= 256 else 128)
@@ -92,11 +105,10 @@ def enable_device_descriptors() -> None:
 
 def launch(kernel, work_items: int, device: torch.device, *args, config: TmaConfig,
            **constexprs) -> None:
-    """Launch a persistent TMA kernel: one program per SM (fewer if there is less work;
-    the interpreter runs one), with config's tile shape and warps."""
+    """Launch a persistent TMA kernel: config.programs(...) programs, with config's tile
+    shape and warps."""
     enable_device_descriptors()
-    programs = 1 if INTERPRET else min(work_items, sm_count(device))
-    kernel[(programs,)](*args, **constexprs, **config.meta())
+    kernel[(config.programs(work_items, device),)](*args, **constexprs, **config.meta())
 
 
 @device_fn

@@ -261,15 +261,15 @@ def matmul_dgelu(dy: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, approximat
     return dh
 
 
-def k_splits(tiles: int, K: int, device: torch.device) -> int:
+def k_splits(tiles: int, K: int, device: torch.device, per_sm: int = 1) -> int:
     """How many slices to split a GEMM's reduction over, for `tiles` output tiles: the count
     (at most 8, each slice at least 1024 long) whose tiles x slices work items spread most
-    evenly over one program per SM, i.e. with the smallest ceil(tiles * s / SMs) / s."""
+    evenly over per_sm programs per SM, i.e. with the smallest ceil(tiles * s / P) / s."""
     if INTERPRET:
         return 1
-    sms = sm_count(device)
+    programs = per_sm * sm_count(device)
     return min(range(1, max(1, min(8, K // 1024)) + 1),
-               key=lambda s: (triton.cdiv(tiles * s, sms) / s, s))
+               key=lambda s: (triton.cdiv(tiles * s, programs) / s, s))
 
 
 def matmul_gelu_rhs(dy: torch.Tensor, h: torch.Tensor, approximate: str,
@@ -282,7 +282,7 @@ def matmul_gelu_rhs(dy: torch.Tensor, h: torch.Tensor, approximate: str,
     cfg = config or tma_config(M)
     tiles = (triton.cdiv(N, cfg.block_m) * triton.cdiv(M, cfg.block_n) if use_tma
              else triton.cdiv(M, 128) * triton.cdiv(N, 128))
-    splits = splits or k_splits(tiles, K, dy.device)
+    splits = splits or k_splits(tiles, K, dy.device, cfg.per_sm if use_tma else 1)
     k_split = triton.cdiv(triton.cdiv(K, splits), 128) * 128  # a multiple of any BLOCK_K
     splits = triton.cdiv(K, k_split)
     part_dtype = dy.dtype if splits == 1 else stat_dtype(dy)
