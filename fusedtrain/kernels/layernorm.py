@@ -58,6 +58,10 @@ def _row_tiles(configs: list[triton.Config], named_args: dict, BLOCK_C: int, **_
 
 ROW_CONFIGS = [triton.Config({"BLOCK_M": m}, num_warps=w)
                for m in (1, 2, 4, 8, 16) for w in (4, 8, 16)]
+# The forward also on one or two warps (rows of up to 2K, by _row_tiles' 32 elements per
+# thread): Inductor launches its LayerNorm at C = 768 on one row and one warp, 12.97 us
+# against our best four-warp tile's 13.34 (docs/perf-notes.md, eleventh round).
+NARROW_CONFIGS = [triton.Config({"BLOCK_M": m}, num_warps=w) for m in (1, 2) for w in (1, 2)]
 # The backward's persistent loop over row tiles, also with its loads issued 3 tiles ahead
 # (tl.range's num_stages pipelines loads that feed no dot, which a kernel's num_stages
 # does not).
@@ -107,7 +111,8 @@ def _affine_store(xhat, w_ptr, b_ptr, y_ptr, r_off, cols, col_ok, mask, s_y,
     tl.store(y_ptr + r_off * s_y + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-@cached_autotune(ROW_CONFIGS, key=["C", "HAS_RES", "GELU", "STATS"], prune=_row_tiles)
+@cached_autotune(ROW_CONFIGS + NARROW_CONFIGS, key=["C", "HAS_RES", "GELU", "STATS"],
+                 prune=_row_tiles)
 @triton.jit
 def _ln_fwd_kernel(
     x_ptr, r_ptr, w_ptr, b_ptr, y_ptr, s_ptr, mean_ptr, rstd_ptr, M, C, eps,
