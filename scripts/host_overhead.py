@@ -1,9 +1,11 @@
-"""Host (CPU) cost of one call: forward, and forward+backward, of each LayerNorm form at a
-size whose GPU time is negligible, so the wall time per call is what Python, autograd and
-the kernel launchers cost. Also lists the process's Python threads (a busy one delays
-every Python backward, which runs on autograd's device thread and needs the GIL).
+"""Host (CPU) cost of one call of each fused op and of its eager twin, forward and
+forward+backward, at sizes whose GPU time is small, so the wall time per call is what
+Python, autograd and the kernel launchers cost. The backward is timed both on autograd's
+worker thread per GPU (PyTorch's default) and on the calling thread (what scripts/train.py
+does, autograd_threads=false): every fused op's backward is a Python node, which the
+worker thread must be handed.
 
-  python scripts/host_overhead.py [--rows 64] [--cols 768] [--calls 300]
+  python scripts/host_overhead.py [--tokens 2048] [--width 768] [--heads 12] [--calls 200]
 """
 
 from __future__ import annotations
@@ -11,16 +13,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import threading
 import time
+from collections.abc import Callable
 
 import torch
 
 from fusedtrain import eager, ops
 
 
-def per_call_us(fn, calls: int) -> float:
-    for _ in range(20):
+def per_call_us(fn: Callable[[], None], calls: int) -> float:
+    for _ in range(10):
         fn()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -30,38 +32,65 @@ def per_call_us(fn, calls: int) -> float:
     return (time.perf_counter() - t0) / calls * 1e6
 
 
+def op_cases(tokens: int, width: int, heads: int) -> dict[str, tuple[Callable, Callable, list]]:
+    """name -> (fused op, eager twin, inputs): bf16 on the GPU, x of shape (2, tokens / 2,
+    width), q/k/v of shape (2, heads, tokens / 2, width / heads)."""
+    def t(*shape, scale=1.0):
+        return (torch.randn(*shape, device="cuda") * scale).bfloat16().requires_grad_()
+
+    B, T, C, H = 2, tokens // 2, width, heads
+    x, r, w, b = t(B, T, C), t(B, T, C), t(C), t(C)
+    mlp = [x, t(4 * C, C, scale=C ** -0.5), t(4 * C), t(C, 4 * C, scale=(4 * C) ** -0.5), t(C)]
+    qkv = [x, t(3 * C, C, scale=C ** -0.5), t(3 * C)]
+    q, k, v = (t(B, H, T, C // H) for _ in range(3))
+    return {
+        "layer_norm": (ops.layer_norm, eager.layer_norm, [x, w, b]),
+        "add_layer_norm": (ops.add_layer_norm, eager.add_layer_norm, [x, r, w, b]),
+        "fused_mlp": (lambda *a: ops.fused_mlp(*a, "tanh"),
+                      lambda *a: eager.fused_mlp(*a, "tanh"), mlp),
+        "qkv_projection": (lambda *a: ops.qkv_projection(*a, H),
+                           lambda *a: eager.qkv_projection(*a, H), qkv),
+        "flash_attention": (ops.flash_attention, eager.flash_attention, [q, k, v]),
+    }
+
+
+def timings(fn: Callable, inputs: list, calls: int) -> dict[str, float]:
+    def fwd():
+        with torch.no_grad():
+            fn(*inputs)
+
+    def fwd_bwd():
+        out = fn(*inputs)
+        outs = out if isinstance(out, tuple) else (out,)
+        torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+
+    result = {"fwd_us": per_call_us(fwd, calls)}
+    for threads in (True, False):
+        with torch.autograd.set_multithreading_enabled(threads):
+            key = "fwd_bwd_us_worker_thread" if threads else "fwd_bwd_us_calling_thread"
+            result[key] = per_call_us(fwd_bwd, calls)
+    return result
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rows", type=int, default=64)
-    p.add_argument("--cols", type=int, default=768)
-    p.add_argument("--calls", type=int, default=300)
-    p.add_argument("--switch-interval", type=float, help="sys.setswitchinterval (seconds)")
+    p.add_argument("--tokens", type=int, default=2048)
+    p.add_argument("--width", type=int, default=768)
+    p.add_argument("--heads", type=int, default=12)
+    p.add_argument("--calls", type=int, default=200)
     args = p.parse_args(argv)
-    if args.switch_interval:
-        sys.setswitchinterval(args.switch_interval)
     if not torch.cuda.is_available():
         print("host_overhead.py needs a CUDA GPU", file=sys.stderr)
         return 2
-    x = torch.randn(args.rows, args.cols, device="cuda", dtype=torch.bfloat16,
-                    requires_grad=True)
-    w = torch.ones(args.cols, device="cuda", dtype=x.dtype, requires_grad=True)
-    b = torch.zeros(args.cols, device="cuda", dtype=x.dtype, requires_grad=True)
-    dy = torch.randn_like(x)
-    impls = {"fused": ops.layer_norm, "eager": eager.layer_norm,
-             "compile": torch.compile(eager.layer_norm, fullgraph=True),
-             "fused, after compiling": ops.layer_norm}
-    result = {}
-    for name, fn in impls.items():
-        def fwd(fn=fn):
-            with torch.no_grad():
-                fn(x, w, b)
-
-        def fwd_bwd(fn=fn):
-            torch.autograd.grad(fn(x, w, b), (x, w, b), dy)
-
-        result[name] = {"fwd_us": per_call_us(fwd, args.calls),
-                        "fwd_bwd_us": per_call_us(fwd_bwd, args.calls)}
-    result["threads"] = [t.name for t in threading.enumerate()]
+    if args.tokens < 2 or args.tokens % 2 or args.width % args.heads:
+        print("--tokens must be even and --width divisible by --heads", file=sys.stderr)
+        return 2
+    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "tokens": args.tokens, "width": args.width, "heads": args.heads}
+    for name, (fused, twin, inputs) in op_cases(args.tokens, args.width, args.heads).items():
+        result[name] = {"fused": timings(fused, inputs, args.calls),
+                        "eager": timings(twin, inputs, args.calls)}
+        print(name, json.dumps(result[name]), flush=True)
     print(json.dumps(result, indent=1))
     return 0
 

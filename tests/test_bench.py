@@ -73,3 +73,21 @@ def test_compile_report_compiles_the_attention_configs_for_hopper_without_a_gpu(
         for c in BWD_Q_CONFIGS]
     for *_, registers, _stack, shared in rows:
         assert 0 < int(registers) <= 255 and 0 < int(shared) <= 228
+
+
+def test_kernel_report_renders_the_rows_a_gpu_run_wrote(tmp_path, capsys):
+    """The table and chart of `bench.py kernels`, from rows an H200 run saved (the
+    benchmarks themselves need a GPU)."""
+    from fusedtrain.bench import kernels
+
+    rows = []
+    for family in ("attn", "ln", "qkv-int32-rejected"):
+        path = ROOT / "docs" / "results" / f"kernels-graph-{family}-round11-2026-11-30.json"
+        rows += json.loads(path.read_text())["rows"]
+    kernels.print_table(rows)
+    printed = capsys.readouterr().out
+    assert printed.count("\n") >= len(rows) and "sdpa_cudnn" in printed and "fwd_GBps" in printed
+    kernels.plot_kernels(rows, tmp_path / "k.png", "title")
+    assert (tmp_path / "k.png").stat().st_size > 0
+    assert set(kernels.FAMILIES) == {"linear_gelu", "qkv", "attention", "layernorm",
+                                     "cross_entropy"}

@@ -107,3 +107,19 @@ def test_ops_name_the_tensor_on_another_device(op):
     }
     with pytest.raises(ValueError, match="is on meta"):
         calls[op]()
+
+
+def test_fused_model_runs_on_the_meta_device():
+    """Deferred initialisation and shape inference: the fused GPT built on the meta device
+    runs its loss and backward without data, every gradient a meta tensor of its
+    parameter's shape."""
+    cfg = GPTConfig(block_size=16, vocab_size=64, n_layer=1, n_head=2, n_embd=16,
+                    kernels=dict.fromkeys(KERNEL_FAMILIES, True))
+    with torch.device("meta"):
+        model = GPT(cfg)
+        idx = torch.randint(0, 64, (2, 16))
+    loss = model.loss(idx, idx)
+    loss.backward()
+    assert loss.is_meta and loss.shape == ()
+    assert all(p.grad is not None and p.grad.is_meta and p.grad.shape == p.shape
+               for p in model.parameters())

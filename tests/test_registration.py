@@ -93,3 +93,35 @@ def test_inductor_never_formats_an_op_for_an_implicit_fallback(monkeypatch):
         torch._logging.set_logs()
     torch.testing.assert_close(out, f(x))
     assert not [t for t in formatted if "fusedtrain" in t]
+
+
+def _every_op_forward_and_backward(device: str) -> list[torch.Tensor]:
+    """Outputs and input gradients of every public op (fp32, small odd shapes)."""
+    gen = torch.Generator().manual_seed(0)
+
+    def leaf(*shape):
+        return torch.randn(*shape, generator=gen).to(device).requires_grad_()
+
+    B, T, C, H = 2, 5, 12, 3
+    x, w, b = leaf(B, T, C), leaf(C), leaf(C)
+    outs = [ops.linear_gelu(x, leaf(7, C), leaf(7)),
+            ops.fused_mlp(x, leaf(16, C), leaf(16), leaf(C, 16), leaf(C)),
+            *ops.qkv_projection(x, leaf(3 * C, C), leaf(3 * C), H),
+            ops.layer_norm(x, w, b), *ops.add_layer_norm(x, leaf(B, T, C), w, b),
+            ops.layer_norm_gelu(x, w, b)]
+    q, k, v = (leaf(B, H, T, C // H) for _ in range(3))
+    outs.append(ops.flash_attention(q, k, v, causal=True))
+    targets = torch.randint(0, 11, (B * T,), generator=gen).to(device)
+    outs += [ops.cross_entropy(leaf(B * T, 11), targets),
+             ops.cross_entropy(leaf(B * T, 11), targets, inplace_backward=True)]
+    leaves = [x, w, b, q, k, v]
+    sum(o.float().sum() for o in outs).backward()
+    return outs + [t.grad for t in leaves]
+
+
+def test_every_op_runs_on_meta_tensors_as_on_real_ones():
+    """Meta tensors (shape inference, deferred init) go to the fake implementations: the
+    same shapes and dtypes as a real run, forward and backward, and no kernel launched."""
+    real, meta = _every_op_forward_and_backward("cpu"), _every_op_forward_and_backward("meta")
+    assert [(t.shape, t.dtype) for t in meta] == [(t.shape, t.dtype) for t in real]
+    assert all(t.is_meta for t in meta)

@@ -68,6 +68,8 @@ def _dkdv_fits(config: triton.Config, BLOCK_D: int, **_) -> bool:
     128 x 128 fp32 accumulators in 128 threads and spill (H200: 2.2-7x the best config at
     every benchmark and test shape, where they are among the best at D=64)."""
     return not (BLOCK_D >= 128 and config.num_warps == 4 and config.kwargs["BLOCK_N"] == 128)
+
+
 INTERPRET_CONFIG = triton.Config({"BLOCK_M": 128, "BLOCK_N": 128})
 WIDE_CONFIGS = _configs([(64, 32, 4, 2)])
 

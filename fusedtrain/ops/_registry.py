@@ -14,6 +14,13 @@ def dispatcher_needed() -> bool:
     return torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None
 
 
+def runs_directly(t: torch.Tensor) -> bool:
+    """Whether a launcher given t as its first tensor calls its kernels itself: not while
+    the dispatcher is needed, and not on meta tensors (shape inference, deferred init),
+    which have no data for a kernel and go to the op's fake implementation instead."""
+    return not (dispatcher_needed() or t.is_meta)
+
+
 def backward_wanted(*tensors: torch.Tensor | None) -> bool:
     """Whether autograd will call the op's backward: grad mode on and some input needing
     a gradient. Otherwise what only backward reads (saved pre-activations, statistics)
@@ -46,16 +53,17 @@ def register_inductor_fallbacks() -> None:
 
 def launcher(name: str) -> Callable[[Callable], Callable]:
     """Register fn as the custom op `fusedtrain::name` (opaque to torch.compile, visible to
-    FlopCounterMode) and return a caller. In plain eager execution the caller runs fn
-    directly: the custom-op dispatcher costs hundreds of microseconds of CPU a call
-    (measured on the H200 host), which a training step pays dozens of times."""
+    FlopCounterMode) and return a caller; fn's first argument must be a tensor. In plain
+    eager execution on real tensors the caller runs fn directly: the custom-op dispatcher
+    costs hundreds of microseconds of CPU a call (measured on the H200 host), which a
+    training step pays dozens of times."""
 
     def decorate(fn: Callable) -> Callable:
         op = torch.library.custom_op(f"fusedtrain::{name}", mutates_args=())(fn)
         _OP_NAMES.append(name)
 
         def call(*args):
-            return op(*args) if dispatcher_needed() else fn(*args)
+            return fn(*args) if runs_directly(args[0]) else op(*args)
 
         call.register_fake = op.register_fake
         call.__name__ = call.__qualname__ = fn.__name__

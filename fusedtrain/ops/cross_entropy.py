@@ -7,7 +7,7 @@ from torch.utils.flop_counter import register_flop_formula
 
 from fusedtrain.kernels import cross_entropy as K
 from fusedtrain.kernels._common import stat_dtype
-from fusedtrain.ops._registry import dispatcher_needed, launcher
+from fusedtrain.ops._registry import launcher, runs_directly
 from fusedtrain.ops._validate import check_tensor
 
 Tensor = torch.Tensor
@@ -58,7 +58,7 @@ class CrossEntropyFunction(torch.autograd.Function):
     def backward(ctx, dloss: Tensor):
         logits, targets, lse, count = ctx.saved_tensors
         g = (dloss / count).to(lse.dtype).reshape(1)  # stays on the device: no sync
-        if ctx.inplace and not dispatcher_needed():
+        if ctx.inplace and runs_directly(logits):
             # The launcher is declared non-mutating for torch.compile and dispatch modes,
             # so the in-place form runs only when it is called directly.
             dlogits = K.cross_entropy_bwd(logits, targets, lse, g, ctx.ignore_index,

@@ -1,0 +1,339 @@
+"""Training-throughput benchmarks: the model's forward, backward and AdamW step for each
+variant (eager, SDPA, torch.compile, fused, fused as one CUDA graph, fused minus one
+family), timed in one process; loss parity; a torch.profiler summary. `python
+scripts/bench.py train|parity|profile` runs them."""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import torch
+
+from fusedtrain import ops
+
+MODEL_CONFIGS = Path(__file__).resolve().parents[2] / "conf" / "model"  # Hydra's model group
+
+
+def train_variants(ablation: bool, compile_mode: str = "default") -> dict[str, dict]:
+    """name -> {kernels, eager_attention, compile}; compile is False or a torch.compile
+    mode, the same for every compiled variant."""
+    from fusedtrain.model import KERNEL_FAMILIES
+
+    none = dict.fromkeys(KERNEL_FAMILIES, False)
+    every = dict.fromkeys(KERNEL_FAMILIES, True)
+    v = {
+        "eager-math": dict(kernels=none, eager_attention="math", compile=False),
+        "eager-sdpa": dict(kernels=none, eager_attention="sdpa", compile=False),
+        "compile-sdpa": dict(kernels=none, eager_attention="sdpa", compile=compile_mode),
+        "fused": dict(kernels=every, eager_attention="sdpa", compile=False),
+        "compile-fused": dict(kernels=every, eager_attention="sdpa", compile=compile_mode),
+        # The whole step (forward, backward, AdamW) captured once as one CUDA graph and
+        # replayed: the GPU work of `fused` without the host's per-launch cost.
+        "fused-graph": dict(kernels=every, eager_attention="sdpa", compile=False, graph=True),
+        "eager-sdpa-graph": dict(kernels=none, eager_attention="sdpa", compile=False,
+                                 graph=True),
+    }
+    if ablation:
+        for fam in KERNEL_FAMILIES:
+            v[f"fused-no-{fam}"] = dict(kernels={**every, fam: False}, eager_attention="sdpa",
+                                        compile=False)
+    return v
+
+
+def training_batches(source: str, n: int, batch: int, seq: int, vocab: int,
+                     device: str) -> torch.Tensor:
+    """(n, batch, seq + 1) token windows: uniform random tokens, or windows of the
+    stdlib corpus (the same for every variant)."""
+    if source == "synthetic":
+        gen = torch.Generator(device=device).manual_seed(0)
+        return torch.randint(0, vocab, (n, batch, seq + 1), device=device, generator=gen)
+    from fusedtrain.data import DataConfig, RandomWindows, load_tokens
+
+    tokens = load_tokens(DataConfig(source=source, max_files=200), vocab, seed=0)
+    windows = RandomWindows(tokens, seq, seed=0, length=n * batch)
+    x = torch.stack([torch.cat([w[0], w[1][-1:]]) for w in (windows[i] for i in range(n * batch))])
+    return x.view(n, batch, seq + 1).to(device)
+
+
+def train_setup(model_name: str, batch: int, seq: int, n_batches: int, variant: dict,
+                device: str, data_source: str = "synthetic"):
+    """(model, step, data): step(i) runs forward, backward and AdamW on data[i] under bf16
+    autocast and returns the loss tensor (no host sync). torch.compile, where asked,
+    wraps the whole loss function (forward, head and cross-entropy)."""
+    from omegaconf import OmegaConf
+
+    from fusedtrain.model import GPT, GPTConfig
+
+    base = OmegaConf.to_container(OmegaConf.load(MODEL_CONFIGS / f"{model_name}.yaml"))
+    cfg = GPTConfig(**{**base, "block_size": max(seq, base["block_size"]),
+                       "kernels": variant["kernels"],
+                       "eager_attention": variant["eager_attention"]})
+    torch.manual_seed(0)
+    model = GPT(cfg).to(device)
+    mode = variant["compile"]
+    if mode:
+        ops.register_inductor_fallbacks()
+    loss_fn = torch.compile(model.loss, mode=None if mode == "default" else mode) if mode \
+        else model.loss
+    graphs = mode == "reduce-overhead"
+    whole_step_graph = variant.get("graph", False) and device == "cuda"
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda",
+                            capturable=whole_step_graph)
+    data = training_batches(data_source, n_batches, batch, seq, cfg.vocab_size, device)
+    # Autocast's weight-cast cache would hold tensors made during capture; graphs need it off.
+    amp = torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda",
+                         cache_enabled=not whole_step_graph)
+
+    def train_on(batch: torch.Tensor) -> torch.Tensor:
+        """batch: (B, T + 1) tokens -> the loss, after backward and the optimizer step."""
+        if graphs:  # CUDA-graph replays reuse their output memory: one step per replay
+            torch.compiler.cudagraph_mark_step_begin()
+        with amp:
+            loss = loss_fn(batch[:, :-1], batch[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=not whole_step_graph)
+        return loss.detach()
+
+    if whole_step_graph:
+        return model, _graphed_step(train_on, data), data
+    return model, lambda i: train_on(data[i]).clone(), data
+
+
+def _graphed_step(train_on, data: torch.Tensor):
+    """train_on captured as one CUDA graph over a static batch buffer: three eager steps on
+    a side stream first (Triton compiles and autotunes there, AdamW makes its state), then
+    each call copies batch i into the buffer and replays the graph. Those three steps
+    train the model on batches 0-2, which the timed loop then starts with again: the
+    graphed variants' first losses sit below the others', a curve shifted by 3 steps."""
+    batch = data[0].clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for i in range(3):
+            train_on(data[i])
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        loss = train_on(batch)
+
+    def step(i: int) -> torch.Tensor:
+        batch.copy_(data[i])
+        graph.replay()
+        return loss.clone()
+
+    return step
+
+
+def bench_train_variant(model_name: str, batch: int, seq: int, steps: int, warmup: int,
+                        variant: dict, device: str, data_source: str = "synthetic") -> dict:
+    """Warm-up steps (compilation, autotuning), then `steps` timed steps issued back to
+    back as a training loop would: tokens/s from the wall time of the timed steps (one
+    sync at each end), per-step ms from CUDA events read afterwards."""
+    from fusedtrain.module import peak_flops
+
+    cuda = device == "cuda"
+    if cuda:  # from before setup: a graphed variant allocates its step's memory at capture
+        torch.cuda.reset_peak_memory_stats()
+    model, step, _ = train_setup(model_name, batch, seq, warmup + steps, variant, device,
+                                 data_source)
+    losses, first_step_s = [], None
+    for i in range(warmup):
+        t_step = time.perf_counter()
+        losses.append(step(i))
+        if i == 0:  # compilation and autotuning happen here
+            if cuda:
+                torch.cuda.synchronize()
+            first_step_s = time.perf_counter() - t_step
+    if cuda:
+        torch.cuda.synchronize()
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
+        events[0].record()
+    t0 = time.perf_counter()
+    marks = [t0]
+    for i in range(warmup, warmup + steps):
+        losses.append(step(i))
+        if cuda:
+            events[i - warmup + 1].record()
+        else:
+            marks.append(time.perf_counter())
+    if cuda:
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    times = ([a.elapsed_time(b) for a, b in zip(events, events[1:])] if cuda
+             else [(b - a) * 1e3 for a, b in zip(marks, marks[1:])])
+    times_t = torch.tensor(times)
+    tokens_per_s = batch * seq * steps / wall
+    losses = [x.item() for x in losses]
+    out = {"tokens_per_s": tokens_per_s, "step_ms_median": times_t.median().item(),
+           "step_ms_p10": times_t.quantile(0.1).item(),
+           "step_ms_p90": times_t.quantile(0.9).item(),
+           "first_step_s": first_step_s, "final_loss": losses[-1], "losses": losses,
+           "peak_mem_GiB": torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None}
+    known = peak_flops() if cuda else None
+    if known is not None:
+        out["mfu"] = model.flops_per_token(seq) * tokens_per_s / known[1]
+        out["peak_flops"] = known[1]
+    return out
+
+
+def run_profile(args) -> str:
+    """torch.profiler over a few steps of one variant after warm-up: GPU busy time against
+    wall time (how CPU-bound the step is) and the top kernels by GPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    device = "cuda"
+    variant = train_variants(ablation=True)[args.variant]
+    _, step, _ = train_setup(args.model, args.batch, args.seq, args.warmup + args.steps,
+                             variant, device, "synthetic")
+    for i in range(args.warmup):
+        step(i)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for i in range(args.warmup, args.warmup + args.steps):
+            step(i)
+        torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - t0) * 1e3 / args.steps
+    gpu_us = sum(e.self_device_time_total for e in prof.key_averages()
+                 if e.device_type == torch.autograd.DeviceType.CUDA) / args.steps
+    if args.host:
+        import cProfile
+        import io
+        import pstats
+
+        host = cProfile.Profile()
+        host.enable()
+        for i in range(args.warmup, args.warmup + args.steps):
+            step(i)
+        torch.cuda.synchronize()
+        host.disable()
+        text = io.StringIO()
+        pstats.Stats(host, stream=text).sort_stats("tottime").print_stats(args.top)
+    lines = [f"profile: {args.variant}, model={args.model}, B={args.batch}, T={args.seq}, "
+             f"{args.steps} steps after {args.warmup} warm-up",
+             f"wall {wall_ms:.1f} ms/step (under the profiler), GPU kernels {gpu_us / 1e3:.1f} "
+             f"ms/step: the GPU is busy {gpu_us / 1e3 / wall_ms:.0%} of the step",
+             prof.key_averages().table(sort_by="self_device_time_total", row_limit=args.top,
+                                       max_name_column_width=60)]
+    if args.host:
+        lines += ["host (cProfile, the same steps again, top functions by own time):",
+                  text.getvalue()]
+    return "\n".join(lines)
+
+
+class _TimeLimit:
+    """Raise TimeoutError in this (main) thread after `seconds` (0: no limit), so a variant
+    whose compilation runs away is recorded as failed and the others still run.
+    `expired` says whether the alarm fired, whatever the interrupted code then raised:
+    torch.compile may wrap the TimeoutError in an error of its own, or fail differently
+    for having been stopped halfway."""
+
+    def __init__(self, seconds: int):
+        self.seconds, self.expired = seconds, False
+
+    def _expire(self, signum, frame):
+        self.expired = True
+        raise TimeoutError(f"variant took longer than {self.seconds} s")
+
+    def __enter__(self):
+        if self.seconds:
+            self._previous = signal.signal(signal.SIGALRM, self._expire)
+            signal.alarm(self.seconds)
+        return self
+
+    def __exit__(self, *exc):
+        if self.seconds:
+            signal.alarm(0)
+            signal.signal(signal.SIGALRM, self._previous)
+        return False
+
+
+def run_train(args, save=lambda results: None) -> dict:
+    """Every variant in turn; `save(results)` after each, so an interrupted run keeps
+    what it measured."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    variants = train_variants(args.ablation, args.compile_mode)
+    if args.variants:
+        variants = {k: v for k, v in variants.items() if k in args.variants}
+    results = {}
+    for name, v in variants.items():
+        t0 = time.time()
+        limit = _TimeLimit(args.variant_timeout)
+        try:
+            with limit:
+                results[name] = bench_train_variant(args.model, args.batch, args.seq,
+                                                    args.steps, args.warmup, v, device,
+                                                    args.data)
+        except torch.OutOfMemoryError as e:
+            results[name] = {"error": f"out of memory: {str(e)[:100]}"}
+        except Exception as e:  # one failing variant must not lose the others' figures
+            results[name] = {"error": f"variant took longer than {limit.seconds} s "
+                                      f"(stopped in {type(e).__name__})" if limit.expired
+                             else f"{type(e).__name__}: {str(e)[:300]}"}
+        save(results)
+        if device == "cuda":
+            torch.cuda.empty_cache()
+        r = results[name]
+        print(f"{name:<20} " + ("  ".join(f"{k} {v:.4g}" for k, v in r.items()
+                                          if isinstance(v, float))
+                               or r.get("error", "")) + f"  [{time.time() - t0:.0f}s]",
+              flush=True)
+    base = {k: results[k]["tokens_per_s"] for k in ("eager-math", "eager-sdpa", "compile-sdpa")
+            if "tokens_per_s" in results.get(k, {})}
+    for r in results.values():
+        if "tokens_per_s" in r:
+            r["speedup_vs"] = {k: r["tokens_per_s"] / v for k, v in base.items()}
+    return results
+
+
+def run_parity(args) -> dict:
+    """Fused and eager trained from the same seed on the same batches: loss curves."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    variants = train_variants(ablation=False)
+    curves = {}
+    for name in ("eager-sdpa", "fused"):
+        r = bench_train_variant(args.model, args.batch, args.seq, args.steps, 0,
+                                variants[name], device, args.data)
+        curves[name] = r["losses"]
+    diff = max(abs(a - b) for a, b in zip(curves["eager-sdpa"], curves["fused"]))
+    print(f"loss parity over {args.steps} steps: max |fused - eager| = {diff:.3g} "
+          f"(final eager {curves['eager-sdpa'][-1]:.4f}, fused {curves['fused'][-1]:.4f})")
+    return {"curves": curves, "max_abs_diff": diff}
+
+
+def plot_parity(result: dict, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for name, losses in result["curves"].items():
+        ax.plot(range(1, len(losses) + 1), losses, label=name, lw=1.2)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.set_title(f"{title}\nmax |fused - eager| = {result['max_abs_diff']:.3g}", fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def plot_train(results: dict, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [k for k, r in results.items() if "tokens_per_s" in r]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 0.4 * len(names) + 2), sharey=True)
+    axes[0].barh(names, [results[k]["tokens_per_s"] / 1e3 for k in names], color="C0")
+    axes[0].set_xlabel("tokens/s (thousands)")
+    axes[1].barh(names, [results[k]["peak_mem_GiB"] or 0 for k in names], color="C1")
+    axes[1].set_xlabel("peak memory (GiB)")
+    axes[0].invert_yaxis()
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
