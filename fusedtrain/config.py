@@ -79,6 +79,14 @@ def _compile_setting(value) -> bool | str:
                       f"got {value!r}")
 
 
+def _flag(c: dict, name: str) -> bool:
+    """A true/false setting (absent or null: false)."""
+    value = c.get(name)
+    if value is None or isinstance(value, bool):
+        return bool(value)
+    raise ConfigError(f"{name} must be true or false, got {value!r}")
+
+
 def _check_cuda_graph(trainer: dict, compile: bool | str) -> None:
     """cuda_graph=true captures each GPU's training step; say plainly where it cannot."""
     if compile:
@@ -109,7 +117,7 @@ def build_run_config(cfg: DictConfig) -> RunConfig:
     if not isinstance(max_steps, int) or max_steps <= 0:
         raise ConfigError(f"trainer.max_steps must be a positive integer, got {max_steps!r}")
     _check_trainer(trainer)
-    cuda_graph = bool(c.get("cuda_graph", False))
+    cuda_graph = _flag(c, "cuda_graph")
     compile = _compile_setting(c.get("compile", False))
     if cuda_graph:
         _check_cuda_graph(trainer, compile)
@@ -122,6 +130,6 @@ def build_run_config(cfg: DictConfig) -> RunConfig:
         raise ConfigError(f"throughput_skip_steps must be a non-negative integer, got {skip!r}")
     return RunConfig(model=model, data=data, optim=optim, trainer=trainer, seed=int(c["seed"]),
                      compile=compile, ckpt_path=c.get("ckpt_path"),
-                     throughput_skip_steps=skip, deterministic=bool(c.get("deterministic")),
-                     tensorboard=bool(c.get("tensorboard")), cuda_graph=cuda_graph,
-                     autograd_threads=bool(c.get("autograd_threads", False)))
+                     throughput_skip_steps=skip, deterministic=_flag(c, "deterministic"),
+                     tensorboard=_flag(c, "tensorboard"), cuda_graph=cuda_graph,
+                     autograd_threads=_flag(c, "autograd_threads"))

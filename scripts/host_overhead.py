@@ -19,6 +19,7 @@ from collections.abc import Callable
 import torch
 
 from fusedtrain import eager, ops
+from fusedtrain.bench.kernels import fwd_bwd, randn
 
 
 def per_call_us(fn: Callable[[], None], calls: int) -> float:
@@ -35,14 +36,12 @@ def per_call_us(fn: Callable[[], None], calls: int) -> float:
 def op_cases(tokens: int, width: int, heads: int) -> dict[str, tuple[Callable, Callable, list]]:
     """name -> (fused op, eager twin, inputs): bf16 on the GPU, x of shape (2, tokens / 2,
     width), q/k/v of shape (2, heads, tokens / 2, width / heads)."""
-    def t(*shape, scale=1.0):
-        return (torch.randn(*shape, device="cuda") * scale).bfloat16().requires_grad_()
-
     B, T, C, H = 2, tokens // 2, width, heads
-    x, r, w, b = t(B, T, C), t(B, T, C), t(C), t(C)
-    mlp = [x, t(4 * C, C, scale=C ** -0.5), t(4 * C), t(C, 4 * C, scale=(4 * C) ** -0.5), t(C)]
-    qkv = [x, t(3 * C, C, scale=C ** -0.5), t(3 * C)]
-    q, k, v = (t(B, H, T, C // H) for _ in range(3))
+    x, r, w, b = randn(B, T, C), randn(B, T, C), randn(C), randn(C)
+    mlp = [x, randn(4 * C, C, scale=C ** -0.5), randn(4 * C),
+           randn(C, 4 * C, scale=(4 * C) ** -0.5), randn(C)]
+    qkv = [x, randn(3 * C, C, scale=C ** -0.5), randn(3 * C)]
+    q, k, v = (randn(B, H, T, C // H) for _ in range(3))
     return {
         "layer_norm": (ops.layer_norm, eager.layer_norm, [x, w, b]),
         "add_layer_norm": (ops.add_layer_norm, eager.add_layer_norm, [x, r, w, b]),
@@ -59,16 +58,11 @@ def timings(fn: Callable, inputs: list, calls: int) -> dict[str, float]:
         with torch.no_grad():
             fn(*inputs)
 
-    def fwd_bwd():
-        out = fn(*inputs)
-        outs = out if isinstance(out, tuple) else (out,)
-        torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
-
     result = {"fwd_us": per_call_us(fwd, calls)}
     for threads in (True, False):
         with torch.autograd.set_multithreading_enabled(threads):
             key = "fwd_bwd_us_worker_thread" if threads else "fwd_bwd_us_calling_thread"
-            result[key] = per_call_us(fwd_bwd, calls)
+            result[key] = per_call_us(fwd_bwd(fn, inputs), calls)
     return result
 
 

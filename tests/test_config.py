@@ -88,3 +88,10 @@ def test_cuda_graph_needs_a_gpu():
 def test_autograd_threads_is_off_unless_asked():
     assert build_run_config(_compose([])).autograd_threads is False
     assert build_run_config(_compose(["autograd_threads=true"])).autograd_threads is True
+
+
+@pytest.mark.parametrize("name", ["autograd_threads", "cuda_graph", "deterministic",
+                                  "tensorboard"])
+def test_switches_take_true_or_false_only(name):
+    with pytest.raises(ConfigError, match=f"{name} must be true or false"):
+        build_run_config(_compose([f"{name}=maybe"]))
