@@ -181,3 +181,13 @@ def test_gpu_bf16_layer_norm_gelu_tanh():
     check_against_oracle(lambda *a: ops.layer_norm_gelu(*a, approximate="tanh"),
                          lambda *a: eager.layer_norm_gelu(*a, approximate="tanh"), inputs,
                          1e-2, 1e-2, "layer_norm_gelu tanh")
+
+
+def test_layernorm_tiles_are_chosen_by_gpu_time():
+    """The LayerNorm kernels run for microseconds, less than a launch's host cost: their
+    autotuners time CUDA-graph replays, not back-to-back launches."""
+    from fusedtrain.kernels import layernorm as K
+    from fusedtrain.kernels._common import graph_timed
+
+    assert K._ln_fwd_kernel.do_bench is graph_timed
+    assert K._ln_bwd_kernel.do_bench is graph_timed

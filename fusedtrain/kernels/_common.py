@@ -18,6 +18,7 @@ from collections.abc import Callable
 import torch
 import triton
 import triton.language as tl
+import triton.testing
 
 from fusedtrain.kernels import INTERPRET
 
@@ -291,6 +292,13 @@ def autotune(configs: list[triton.Config], key: list[str], interpret: triton.Con
         return [c for c in candidates if keep is None or keep(c, **constexprs)] or candidates
 
     return cached_autotune(configs, key, by_dtype, **kwargs)
+
+
+def graph_timed(kernel_call: Callable, quantiles: tuple[float, ...]) -> list[float]:
+    """The autotuner's benchmark for kernels of a few microseconds: CUDA-graph replays of
+    the call, so that its GPU time decides and not the host's launch cost, which exceeds
+    it (triton's default times back-to-back launches: ~19 us a LayerNorm of 13)."""
+    return triton.testing.do_bench_cudagraph(kernel_call, quantiles=quantiles)
 
 
 def cached_autotune(configs: list[triton.Config], key: list[str], prune: Callable, **kwargs):

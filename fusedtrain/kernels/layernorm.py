@@ -5,7 +5,8 @@ power of two and masked), or, for LayerNorm->GELU where C is 3, 5 or 7 times a p
 two >= 256, the rows in that many unpadded chunks (_row_chunks); statistics in fp32
 (fp64 for fp64 data) whatever the input dtype; writes mean and rstd per row when a
 backward will read them (not under no_grad: inference writes y alone, as Inductor does).
-Tiles (rows per program, warps): autotuned per (C, variant) over a few sizes (_row_tiles).
+Tiles (rows per program, warps): autotuned per (C, variant) over a few sizes (_row_tiles),
+timed as CUDA-graph replays (GPU time; a launch costs more host time than these kernels).
 Backward: a persistent grid of programs, each walking row tiles pid, pid + G, ... keeping
 its dW / db partial sums in fp32 registers; the (G, 2, C) partials are summed once at
 the end, by bias_grad's column-sum kernel: no atomics on the hot path.
@@ -26,6 +27,7 @@ from fusedtrain.kernels._common import (
     gelu,
     gelu_grad,
     gelu_mode,
+    graph_timed,
     row_sum,
     sm_count,
     stat_dtype,
@@ -58,6 +60,10 @@ def _row_tiles(configs: list[triton.Config], named_args: dict, BLOCK_C: int, **_
 
 ROW_CONFIGS = [triton.Config({"BLOCK_M": m}, num_warps=w)
                for m in (1, 2, 4, 8, 16) for w in (4, 8, 16)]
+# The forward also on one or two warps (rows of up to 2K, by _row_tiles' 32 elements per
+# thread): Inductor launches its LayerNorm at C = 768 on one row and one warp, 12.97 us
+# against our best four-warp tile's 13.34 (docs/perf-notes.md, eleventh round).
+NARROW_CONFIGS = [triton.Config({"BLOCK_M": m}, num_warps=w) for m in (1, 2) for w in (1, 2)]
 # The backward's persistent loop over row tiles, also with its loads issued 3 tiles ahead
 # (tl.range's num_stages pipelines loads that feed no dot, which a kernel's num_stages
 # does not).
@@ -107,7 +113,8 @@ def _affine_store(xhat, w_ptr, b_ptr, y_ptr, r_off, cols, col_ok, mask, s_y,
     tl.store(y_ptr + r_off * s_y + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-@cached_autotune(ROW_CONFIGS, key=["C", "HAS_RES", "GELU", "STATS"], prune=_row_tiles)
+@cached_autotune(ROW_CONFIGS + NARROW_CONFIGS, key=["C", "HAS_RES", "GELU", "STATS"],
+                 prune=_row_tiles, do_bench=graph_timed)
 @triton.jit
 def _ln_fwd_kernel(
     x_ptr, r_ptr, w_ptr, b_ptr, y_ptr, s_ptr, mean_ptr, rstd_ptr, M, C, eps,
@@ -186,7 +193,8 @@ def _ln_fwd_kernel(
         tl.store(rstd_ptr + rows, rstd.to(rstd_ptr.dtype.element_ty), mask=row_ok)
 
 
-@cached_autotune(LOOP_CONFIGS, key=["C", "HAS_DS", "HAS_DX2", "GELU"], prune=_row_tiles)
+@cached_autotune(LOOP_CONFIGS, key=["C", "HAS_DS", "HAS_DX2", "GELU"], prune=_row_tiles,
+                 do_bench=graph_timed)
 @triton.jit
 def _ln_bwd_kernel(
     dy_ptr, x_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, ds_ptr, dx_ptr, dx2_ptr, part_ptr,
