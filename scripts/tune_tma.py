@@ -3,10 +3,11 @@
     python scripts/tune_tma.py [--out DIR]
 
 For each MLP GEMM (Linear+GELU forward, the dGELU backward GEMM, the gelu(h) weight
-gradient) at the benchmark shapes, and the QKV projection's forward at its benchmark
-shapes, times every candidate TmaConfig with do_bench
-(bf16, fresh random data), checks its output against torch, and prints milliseconds next
-to the bare cuBLAS GEMM of the same size. The winners are what `tma_config` encodes.
+gradient) at the benchmark shapes, and the QKV projection's forward at its own, times
+every candidate TmaConfig with do_bench (bf16, fresh random data, L2 flushed between
+runs), checks its output against torch, and prints milliseconds next to the bare cuBLAS
+GEMM of the same size. The winners are what `tma_config` encodes, once the kernel
+benchmark's CUDA-graph replays confirm them (they did not for two programs per SM).
 """
 
 from __future__ import annotations
