@@ -248,6 +248,8 @@ def test_tma_launch_runs_per_sm_programs_and_caps_registers_only_when_asked(monk
     assert _tma.TmaConfig(per_sm=2).programs(100, None) == 100  # one per tile at most
     assert "maxnreg" not in _tma.TmaConfig().meta()
     assert _tma.TmaConfig(maxnreg=128).meta()["maxnreg"] == 128
+    with pytest.raises(ValueError, match="per_sm"):
+        _tma.TmaConfig(per_sm=0)
 
 
 def test_fused_mlp_saves_only_x_and_h():

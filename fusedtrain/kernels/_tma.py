@@ -44,6 +44,10 @@ class TmaConfig:
     per_sm: int = 1
     maxnreg: int | None = None  # a register cap per thread, so that two programs fit
 
+    def __post_init__(self):
+        if self.per_sm < 1:  # zero programs would launch nothing and leave outputs unwritten
+            raise ValueError(f"TmaConfig.per_sm must be >= 1, got {self.per_sm}")
+
     def meta(self) -> dict:
         """The kernel's tile constexprs and launch options."""
         cap = {} if self.maxnreg is None else {"maxnreg": self.maxnreg}
