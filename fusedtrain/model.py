@@ -10,6 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fusedtrain import eager
+from fusedtrain.casts import grouped_casts
 from fusedtrain.modules import MLP, CausalSelfAttention, ResidualLayerNorm
 
 KERNEL_FAMILIES = ("mlp", "qkv", "attention", "layernorm", "cross_entropy")
@@ -73,13 +74,17 @@ class Block(nn.Module):
         self.ln_2 = ResidualLayerNorm(cfg.n_embd, k["layernorm"], cfg.bias)
         self.mlp = MLP(cfg.n_embd, k["mlp"], cfg.bias, cfg.gelu)
         self.drop = nn.Dropout(cfg.dropout)
+        # The Linears whose parameters the fused ops read, cast together each step.
+        self._fused_linears = ([self.attn.c_attn] if k["qkv"] else []) + (
+            [self.mlp.c_fc, self.mlp.c_proj] if k["mlp"] else [])
 
     def forward(
         self, stream: torch.Tensor, delta: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        h, stream = self.ln_1(stream, delta)
-        h, stream = self.ln_2(stream, self.drop(self.attn(h)))
-        return stream, self.drop(self.mlp(h))
+        with grouped_casts(*self._fused_linears):
+            h, stream = self.ln_1(stream, delta)
+            h, stream = self.ln_2(stream, self.drop(self.attn(h)))
+            return stream, self.drop(self.mlp(h))
 
 
 class GPT(nn.Module):

@@ -161,15 +161,24 @@ def test_tanh_gelu_and_its_derivative_against_fp64(approx, device, tol):
     assert torch.isfinite(y).all() and torch.isfinite(dh).all()
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("M,N", [(16, 40), (17, 33)])  # TMA-aligned or not
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("dtype", [F64, torch.float16])
-def test_split_k_weight_gradient(splits, dtype):
+def test_split_k_weight_gradient(splits, dtype, M, N, deterministic):
+    """Slices added in place (TMA reductions) and, in deterministic mode or unaligned, as
+    partial sums."""
     from fusedtrain.kernels.linear_gelu import matmul_gelu_rhs
 
-    dy, h = torch.randn(203, 17, dtype=dtype), torch.randn(203, 33, dtype=dtype)
-    out = matmul_gelu_rhs(dy, h, "tanh", splits=splits)
+    dy, h = torch.randn(203, M, dtype=dtype), torch.randn(203, N, dtype=dtype)
+    mode = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        out = matmul_gelu_rhs(dy, h, "tanh", splits=splits)
+    finally:
+        torch.use_deterministic_algorithms(mode)
     ref = dy.double().t() @ torch.nn.functional.gelu(h.double(), approximate="tanh")
-    assert out.dtype == dtype and out.shape == (17, 33)
+    assert out.dtype == dtype and out.shape == (M, N)
     torch.testing.assert_close(out.double(), ref, rtol=1e-2 if dtype != F64 else 1e-9,
                                atol=1e-2 if dtype != F64 else 1e-9)
 

@@ -124,6 +124,22 @@ def matrix_desc(ptr, rows, cols, row_stride, BLOCK_R: tl.constexpr, BLOCK_C: tl.
 
 
 @device_fn
+def _reduce_tile_tma(desc, offsets, val):
+    desc.atomic_add(offsets, val)
+
+
+@device_fn
+def _reduce_tile_emulated(desc, offsets, val):
+    desc.store(offsets, desc.load(offsets) + val)
+
+
+# reduce_tile(desc, offsets, val): desc's block at `offsets` += val. One TMA bulk reduction
+# (an fp32 add in L2) on the GPU; a load, add and store under the interpreter, which has no
+# descriptor reductions and runs programs one at a time.
+reduce_tile = _reduce_tile_emulated if INTERPRET else _reduce_tile_tma
+
+
+@device_fn
 def tile_origin(tile, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 GROUP_M: tl.constexpr):
     """(first row, first column) of output tile number `tile`, in grouped order."""

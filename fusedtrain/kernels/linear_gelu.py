@@ -43,9 +43,9 @@ from fusedtrain.kernels._tma import (
     column_halves,
     launch,
     matrix_desc,
+    reduce_tile,
     tile_halves,
     tile_origin,
-    tma_aligned,
     tma_config,
     tma_matmul,
     tma_ok,
@@ -186,13 +186,14 @@ def _matmul_dgelu_tma_kernel(
 @triton.jit
 def _matmul_gelu_rhs_tma_kernel(
     h_ptr, dy_ptr, c_ptr, M, N, K, K_SPLIT, SPLITS, s_hk, s_dyk, s_cs, s_cm,
-    APPROX: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
+    REDUCE: tl.constexpr, APPROX: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     # Computes C.T = gelu(h).T @ dy, whose recomputed operand is A (see tma_matmul), one
     # (BLOCK_M features of h) x (BLOCK_N features of dy) tile at a time, stored transposed.
     # Work item w = (slice s, tile): reduce k in [s * K_SPLIT, (s + 1) * K_SPLIT) into
-    # slice s of C (SPLITS, M, N); K_SPLIT is a multiple of BLOCK_K, so no tile of k
+    # slice s of C (SPLITS, M, N), or, with REDUCE, add it into C (1, M, N) (fp32, zeroed by
+    # the host) by TMA bulk reductions; K_SPLIT is a multiple of BLOCK_K, so no tile of k
     # straddles two slices.
     h_desc = matrix_desc(h_ptr, K, N, s_hk, BLOCK_K, BLOCK_M)
     dy_desc = matrix_desc(dy_ptr, K, M, s_dyk, BLOCK_K, BLOCK_N)
@@ -207,8 +208,12 @@ def _matmul_gelu_rhs_tma_kernel(
                          ACC, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
                          A_TRANS=True, A_GELU=True, APPROX=APPROX)
         top, bottom = column_halves(tl.trans(acc), BLOCK_N, BLOCK_M)
-        c_desc.store([s, off_m, off_n], top.to(c_desc.dtype)[None, :, :])
-        c_desc.store([s, off_m, off_n + BLOCK_M // 2], bottom.to(c_desc.dtype)[None, :, :])
+        if REDUCE:
+            reduce_tile(c_desc, [0, off_m, off_n], top[None, :, :])
+            reduce_tile(c_desc, [0, off_m, off_n + BLOCK_M // 2], bottom[None, :, :])
+        else:
+            c_desc.store([s, off_m, off_n], top.to(c_desc.dtype)[None, :, :])
+            c_desc.store([s, off_m, off_n + BLOCK_M // 2], bottom.to(c_desc.dtype)[None, :, :])
 
 
 def _gemm_grid(M: int, N: int):
@@ -275,28 +280,40 @@ def k_splits(tiles: int, K: int, device: torch.device, per_sm: int = 1) -> int:
 def matmul_gelu_rhs(dy: torch.Tensor, h: torch.Tensor, approximate: str,
                     splits: int | None = None, config: TmaConfig | None = None) -> torch.Tensor:
     """dy: (K, M), h: (K, N) -> dy.T @ gelu(h): (M, N), reduced over `splits` slices of K
-    (default: k_splits) with fp32 partial sums."""
+    (default: k_splits) in fp32.
+
+    Through TMA the slices add into one fp32 sum in place (bulk reductions in L2), whose
+    order, and so whose last bits, vary run to run; under torch's deterministic mode, and
+    in the pointer version, each slice writes its own partial sum and the host adds them."""
     K, M = dy.shape
     N = h.shape[1]
-    use_tma = tma_ok(dy, h)
+    # With h TMA-aligned and dy of its dtype, an (S, M, N) output of dy's or a wider dtype
+    # is TMA-aligned too.
+    use_tma = tma_ok(dy, h) and dy.dtype == h.dtype
     cfg = config or tma_config(M)
     tiles = (triton.cdiv(N, cfg.block_m) * triton.cdiv(M, cfg.block_n) if use_tma
              else triton.cdiv(M, 128) * triton.cdiv(N, 128))
     splits = splits or k_splits(tiles, K, dy.device, cfg.per_sm if use_tma else 1)
     k_split = triton.cdiv(triton.cdiv(K, splits), 128) * 128  # a multiple of any BLOCK_K
     splits = triton.cdiv(K, k_split)
+    reduce = use_tma and splits > 1 and not torch.are_deterministic_algorithms_enabled()
     part_dtype = dy.dtype if splits == 1 else stat_dtype(dy)
-    out = torch.empty((splits, M, N), device=dy.device, dtype=part_dtype)
+    if reduce:
+        out = torch.zeros((1, M, N), device=dy.device, dtype=part_dtype)
+    else:
+        out = torch.empty((splits, M, N), device=dy.device, dtype=part_dtype)
     flags = gemm_flags(dy, approximate)
-    if use_tma and tma_aligned(out):
+    if use_tma:
         launch(_matmul_gelu_rhs_tma_kernel, tiles * splits, dy.device, h, dy, out,
                M, N, K, k_split, splits, h.stride(0), dy.stride(0), out.stride(0), out.stride(1),
-               config=cfg, **flags)
+               config=cfg, REDUCE=reduce, **flags)
     else:
         _matmul_gelu_rhs_kernel[lambda meta: (_gemm_grid(M, N)(meta)[0], splits)](
             dy, h, out, M, N, K, k_split,
             dy.stride(1), dy.stride(0), h.stride(0), h.stride(1), *out.stride(), **flags)
-    return out[0] if splits == 1 else out.sum(0).to(dy.dtype)
+    if splits == 1:
+        return out[0]
+    return (out[0] if reduce else out.sum(0)).to(dy.dtype)
 
 
 def gelu_bwd(dy: torch.Tensor, h: torch.Tensor, approximate: str) -> torch.Tensor:

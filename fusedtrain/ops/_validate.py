@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from fusedtrain.casts import prepared_cast
 from fusedtrain.kernels._common import SUPPORTED_DTYPES
 
 GELU_FORMS = ("none", "tanh")
@@ -62,12 +63,14 @@ def autocast_dtype(t: torch.Tensor) -> torch.dtype | None:
 
 
 def autocast_cast(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-    """Under autocast, cast floating inputs to the autocast dtype (as F.linear does);
-    otherwise return them unchanged. Gradients flow back through the casts."""
+    """Under autocast, cast floating inputs to the autocast dtype (as F.linear does; a
+    weight that fusedtrain.casts.grouped_casts already cast comes from there); otherwise
+    return them unchanged. Gradients flow back through the casts."""
     first = next(t for t in tensors if t is not None)
     dt = autocast_dtype(first) if isinstance(first, torch.Tensor) else None
     if dt is None:
         return tensors
     return tuple(
-        t.to(dt) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in tensors
+        prepared_cast(t, dt) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+        for t in tensors
     )
