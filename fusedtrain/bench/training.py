@@ -198,8 +198,11 @@ def run_profile(args) -> str:
             step(i)
         torch.cuda.synchronize()
         wall_ms = (time.perf_counter() - t0) * 1e3 / args.steps
-    gpu_us = sum(e.self_device_time_total for e in prof.key_averages()
-                 if e.device_type == torch.autograd.DeviceType.CUDA) / args.steps
+    gpu_events = [e for e in prof.key_averages()
+                  if e.device_type == torch.autograd.DeviceType.CUDA]
+    gpu_us = sum(e.self_device_time_total for e in gpu_events) / args.steps
+    # Kernels, copies and memsets: each costs a gap on the GPU even inside a CUDA graph.
+    gpu_ops = sum(e.count for e in gpu_events) / args.steps
     if args.host:
         import cProfile
         import io
@@ -216,7 +219,8 @@ def run_profile(args) -> str:
     lines = [f"profile: {args.variant}, model={args.model}, B={args.batch}, T={args.seq}, "
              f"{args.steps} steps after {args.warmup} warm-up",
              f"wall {wall_ms:.1f} ms/step (under the profiler), GPU kernels {gpu_us / 1e3:.1f} "
-             f"ms/step: the GPU is busy {gpu_us / 1e3 / wall_ms:.0%} of the step",
+             f"ms/step: the GPU is busy {gpu_us / 1e3 / wall_ms:.0%} of the step; "
+             f"{gpu_ops:.0f} GPU operations (kernels, copies, memsets) a step",
              prof.key_averages().table(sort_by="self_device_time_total", row_limit=args.top,
                                        max_name_column_width=60)]
     if args.host:
