@@ -55,10 +55,14 @@ def _autocast_dtype(device: torch.device) -> torch.dtype | None:
 def grouped_casts(*linears: nn.Module) -> Iterator[None]:
     """Within the block, the weights and biases of `linears` are cast to the autocast dtype
     once, together. Does nothing outside autocast, under torch.compile (Inductor fuses
-    the casts itself) and for parameters already in that dtype (FSDP's mixed precision)."""
+    the casts itself) and for parameters already in that dtype (FSDP's mixed precision).
+    Frozen parameters keep their own casts: in the group their copies would need
+    gradients, and the ops would compute them."""
     params = [p for m in linears for p in (m.weight, m.bias) if p is not None]
     dtype = _autocast_dtype(params[0].device) if params else None
-    params = [p for p in params if p.is_floating_point() and p.dtype != dtype]
+    grads = torch.is_grad_enabled()
+    params = [p for p in params if p.is_floating_point() and p.dtype != dtype
+              and (p.requires_grad or not grads)]
     if dtype is None or not params or torch.compiler.is_compiling():
         yield
         return

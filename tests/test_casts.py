@@ -69,6 +69,15 @@ def test_grouped_casts_only_where_they_apply():
         assert prepared_cast(lin.weight, torch.float16).dtype == torch.float16  # other dtype
     # Left the block: the copies are gone.
     assert prepared_cast(lin.weight, torch.bfloat16) is not w
+    # A frozen parameter keeps its own cast, which needs no gradient.
+    frozen = torch.nn.Linear(4, 3)
+    frozen.weight.requires_grad_(False)
+    with torch.autocast("cpu", dtype=torch.bfloat16), grouped_casts(frozen):
+        assert not prepared_cast(frozen.weight, torch.bfloat16).requires_grad
+        assert prepared_cast(frozen.bias, torch.bfloat16).requires_grad
+        with torch.no_grad(), grouped_casts(frozen):  # no gradients: all may be grouped
+            w = prepared_cast(frozen.weight, torch.bfloat16)
+            assert w is prepared_cast(frozen.weight, torch.bfloat16)
     # Parameters already in the autocast dtype (FSDP's mixed precision) are not copied.
     lin_bf16 = torch.nn.Linear(4, 3).to(torch.bfloat16)
     with torch.autocast("cpu", dtype=torch.bfloat16), grouped_casts(lin_bf16):
