@@ -45,9 +45,11 @@ class _CastAll(torch.autograd.Function):
         return (None, *widened)
 
 
-def _autocast_dtype(device: torch.device) -> torch.dtype | None:
-    if device.type in ("cuda", "cpu") and torch.is_autocast_enabled(device.type):
-        return torch.get_autocast_dtype(device.type)
+def autocast_dtype(t: torch.Tensor) -> torch.dtype | None:
+    """The autocast dtype in force for t's device, or None."""
+    dev = t.device.type
+    if dev in ("cuda", "cpu") and torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
     return None
 
 
@@ -59,7 +61,7 @@ def grouped_casts(*linears: nn.Module) -> Iterator[None]:
     Frozen parameters keep their own casts: in the group their copies would need
     gradients, and the ops would compute them."""
     params = [p for m in linears for p in (m.weight, m.bias) if p is not None]
-    dtype = _autocast_dtype(params[0].device) if params else None
+    dtype = autocast_dtype(params[0]) if params else None
     grads = torch.is_grad_enabled()
     params = [p for p in params if p.is_floating_point() and p.dtype != dtype
               and (p.requires_grad or not grads)]

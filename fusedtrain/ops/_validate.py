@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from fusedtrain.casts import prepared_cast
+from fusedtrain.casts import autocast_dtype, prepared_cast
 from fusedtrain.kernels._common import SUPPORTED_DTYPES
 
 GELU_FORMS = ("none", "tanh")
@@ -52,14 +52,6 @@ def check_same(ref_name: str, ref: torch.Tensor, **others: torch.Tensor | None) 
 def check_approximate(approximate: str) -> None:
     if approximate not in GELU_FORMS:
         raise ValueError(f"approximate must be 'none' or 'tanh', got {approximate!r}")
-
-
-def autocast_dtype(t: torch.Tensor) -> torch.dtype | None:
-    """The autocast dtype in force for t's device, or None."""
-    dev = t.device.type
-    if dev in ("cuda", "cpu") and torch.is_autocast_enabled(dev):
-        return torch.get_autocast_dtype(dev)
-    return None
 
 
 def autocast_cast(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
