@@ -202,11 +202,32 @@ def test_tma_and_pointer_gemms_agree_with_the_oracle(strided):
     h_ref = x @ w.t() + b
     torch.testing.assert_close(h, h_ref)
     torch.testing.assert_close(y, torch.nn.functional.gelu(h_ref, approximate="tanh"))
-    dh = K.matmul_dgelu(dy, w2, h, "none", config=small)
+    dh, db = K.matmul_dgelu(dy, w2, h, "none", col_sums=True, config=small)
     gelu_grad = torch.func.grad(lambda t: torch.nn.functional.gelu(t).sum())
-    torch.testing.assert_close(dh, (dy @ w2) * torch.vmap(gelu_grad)(h))
+    dh_ref = (dy @ w2) * torch.vmap(gelu_grad)(h)
+    torch.testing.assert_close(dh, dh_ref)
+    torch.testing.assert_close(db, dh_ref.sum(0))  # the epilogue's sums, row tail included
+    assert K.matmul_dgelu(dy, w2, h, "none", config=small)[1] is None
     dw2 = K.matmul_gelu_rhs(x, h, "none", splits=3, config=small)
     torch.testing.assert_close(dw2, x.t() @ torch.nn.functional.gelu(h))
+
+
+@pytest.mark.parametrize("M,N", [(1, 1), (203, 130)])
+@pytest.mark.parametrize("dtype", [F64, torch.float16])
+def test_gelu_bwd_with_column_sums(M, N, dtype):
+    """dh = dy * gelu'(h) and its column sums from the kernel's tiles, at row and column
+    tails, with dy's rows strided."""
+    from fusedtrain.kernels.linear_gelu import gelu_bwd
+
+    dy, h = torch.randn(M, N + 5, dtype=dtype)[:, :N], torch.randn(M, N, dtype=dtype)
+    dh, db = gelu_bwd(dy, h, "tanh", col_sums=True)
+    gelu_grad = torch.func.grad(lambda t: torch.nn.functional.gelu(t, approximate="tanh").sum())
+    dh_ref = dy.double() * torch.vmap(gelu_grad)(h.double().flatten()).view(M, N)
+    tol = 1e-9 if dtype == F64 else 2e-3
+    assert dh.dtype == dtype and db.dtype == (F64 if dtype == F64 else torch.float32)
+    torch.testing.assert_close(dh.double(), dh_ref, rtol=tol, atol=tol)
+    torch.testing.assert_close(db.double(), dh_ref.sum(0), rtol=tol, atol=tol * M)
+    assert gelu_bwd(dy, h, "tanh")[1] is None
 
 
 @pytest.mark.parametrize("M,N", [(0, 5), (1, 1), (203, 130), (1151, 300), (4099, 33)])

@@ -8,6 +8,10 @@ the same result run to run. Against PyTorch's `g.sum(0)` on an H200 (docs/perf-n
 seventh round): 36.3 vs 40.4 us at 16384 x 3072, 16.4 vs 25.5 at 16384 x 768, and exact in
 fp32 where `sum` rounds to bf16; the fused MLP's measured forward+backward peak fell by
 100 MB when its two bias reductions moved here (sixth round; not attributed further).
+
+Kernels that produce g tile by tile (the MLP's dGELU GEMM, the GELU backward) can instead
+write each tile's column sums as one row of such a partial-sum buffer
+(`store_column_sums`), which then costs one short launch here instead of reading g again.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import triton
 import triton.language as tl
 
 from fusedtrain.kernels import INTERPRET
-from fusedtrain.kernels._common import acc_dtype, row_sum, sm_count, stat_dtype
+from fusedtrain.kernels._common import acc_dtype, device_fn, row_sum, sm_count, stat_dtype
 
 # A (BLOCK_M, BLOCK_N) tile of 8K elements, 32 per thread at 8 warps: 16 KB of bf16 per
 # load, enough in flight with the loop's loads issued three tiles ahead.
@@ -25,6 +29,13 @@ _TILE = 8192
 _WARPS = 8
 # Up to this many rows, one pass: 2048 rows x 32 columns of fp32 per program at most.
 _SHORT = 2048
+
+
+@device_fn
+def store_column_sums(part_ptr, row, cols, N, tile):
+    """Row `row` of a (rows, N) partial-sum buffer, at columns `cols`: the column sums of
+    `tile` (BLOCK_M, len(cols)), whose rows past the matrix's end must be zero."""
+    tl.store(part_ptr + row.to(tl.int64) * N + cols, row_sum(tile, 0), mask=cols < N)
 
 
 @triton.jit
@@ -39,7 +50,7 @@ def _column_sums_kernel(g_ptr, part_ptr, M, N, s_gm, ACC: tl.constexpr,
         mask = (rows < M)[:, None] & col_ok[None, :]
         acc += tl.load(g_ptr + rows.to(tl.int64)[:, None] * s_gm + cols[None, :], mask=mask,
                        other=0.0).to(ACC)
-    tl.store(part_ptr + p.to(tl.int64) * N + cols, row_sum(acc, 0), mask=col_ok)
+    store_column_sums(part_ptr, p, cols, N, acc)
 
 
 def bias_grad(g: torch.Tensor) -> torch.Tensor:

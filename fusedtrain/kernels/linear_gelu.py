@@ -3,10 +3,12 @@
   linear_gelu_fwd   y = gelu(x @ W.T + b), bias and GELU applied to the accumulator in
                     registers; optionally also writes h = x @ W.T + b for backward.
   matmul_dgelu      dh = (dy @ W2) * gelu'(h): the MLP's backward GEMM, gelu'(h)
-                    recomputed from h in the epilogue (no dGELU tensor in memory).
+                    recomputed from h in the epilogue (no dGELU tensor in memory);
+                    optionally also the bias gradient dh.sum(0), from the epilogue's tiles.
   matmul_gelu_rhs   dW2 = dy.T @ gelu(h): gelu(h) recomputed while each tile of h is
                     loaded, so gelu(h) is never stored.
-  gelu_bwd          dh = dy * gelu'(h), elementwise (standalone linear_gelu backward).
+  gelu_bwd          dh = dy * gelu'(h), elementwise, optionally with dh.sum(0)
+                    (standalone linear_gelu backward).
 
 Each GEMM has two versions: a persistent one loading through TMA descriptors (Hopper,
 16-bit data, TMA-aligned operands; tiles from kernels._tma.tma_config's measured table),
@@ -50,6 +52,7 @@ from fusedtrain.kernels._tma import (
     tma_matmul,
     tma_ok,
 )
+from fusedtrain.kernels.bias_grad import bias_grad, store_column_sums
 
 
 @autotune(gemm_configs(), key=["M", "N", "K"], interpret=INTERPRET_GEMM, wide=WIDE_GEMM)
@@ -113,13 +116,21 @@ def _matmul_gelu_rhs_kernel(
 
 
 @triton.jit
-def _gelu_bwd_kernel(dy_ptr, h_ptr, dh_ptr, n_elements, APPROX: tl.constexpr,
-                     ACC: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n_elements
-    dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(ACC)
-    h = tl.load(h_ptr + offs, mask=mask, other=0.0).to(ACC)
-    tl.store(dh_ptr + offs, (dy * gelu_grad(h, APPROX)).to(dh_ptr.dtype.element_ty), mask=mask)
+def _gelu_bwd_kernel(dy_ptr, h_ptr, dh_ptr, part_ptr, M, N, s_dym, s_hm, s_dhm,
+                     COL_SUMS: tl.constexpr, APPROX: tl.constexpr, ACC: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # One (BLOCK_M, BLOCK_N) tile of dh; with COL_SUMS its column sums become row
+    # program_id(0) of the partial-sum buffer.
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    dy = tl.load(tile_ptrs(dy_ptr, offs_m, offs_n, s_dym, 1), mask=mask, other=0.0).to(ACC)
+    h = tl.load(tile_ptrs(h_ptr, offs_m, offs_n, s_hm, 1), mask=mask, other=0.0).to(ACC)
+    dh = dy * gelu_grad(h, APPROX)
+    tl.store(tile_ptrs(dh_ptr, offs_m, offs_n, s_dhm, 1), dh.to(dh_ptr.dtype.element_ty),
+             mask=mask)
+    if COL_SUMS:
+        store_column_sums(part_ptr, tl.program_id(0), offs_n, N, dh)
 
 
 # ---------------------------------------------------------------- TMA (Hopper) versions
@@ -159,16 +170,23 @@ def _linear_gelu_fwd_tma_kernel(
 
 
 @device_fn
-def _dgelu_store(acc, off_m, off_n, h_desc, dh_desc, APPROX: tl.constexpr):
-    """Epilogue of one column half: dh = acc * gelu'(h), h read back through TMA."""
+def _dgelu_store(acc, off_m, off_n, h_desc, dh_desc, part_ptr, N, APPROX: tl.constexpr,
+                 COL_SUMS: tl.constexpr):
+    """Epilogue of one column half: dh = acc * gelu'(h), h read back through TMA; with
+    COL_SUMS, dh's column sums (before rounding) into row off_m / BLOCK_M of part_ptr.
+    Rows past M are zero: dy's and h's TMA loads read zeros there."""
     h = h_desc.load([off_m, off_n]).to(acc.dtype)
-    dh_desc.store([off_m, off_n], (acc * gelu_grad(h, APPROX)).to(dh_desc.dtype))
+    dh = acc * gelu_grad(h, APPROX)
+    dh_desc.store([off_m, off_n], dh.to(dh_desc.dtype))
+    if COL_SUMS:
+        store_column_sums(part_ptr, off_m // acc.shape[0], off_n + tl.arange(0, acc.shape[1]),
+                          N, dh)
 
 
 @triton.jit
 def _matmul_dgelu_tma_kernel(
-    dy_ptr, w_ptr, h_ptr, dh_ptr, M, N, K, s_dym, s_wk, s_hm, s_dhm,
-    APPROX: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
+    dy_ptr, w_ptr, h_ptr, dh_ptr, part_ptr, M, N, K, s_dym, s_wk, s_hm, s_dhm,
+    COL_SUMS: tl.constexpr, APPROX: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     dy_desc = matrix_desc(dy_ptr, M, K, s_dym, BLOCK_M, BLOCK_K)
@@ -179,8 +197,9 @@ def _matmul_dgelu_tma_kernel(
     for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=True):
         off_m, off_n, left, right = tile_halves(dy_desc, w_desc, tile, M, N, K, ACC, PRECISION,
                                                 BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
-        _dgelu_store(left, off_m, off_n, h_desc, dh_desc, APPROX)
-        _dgelu_store(right, off_m, off_n + BLOCK_N // 2, h_desc, dh_desc, APPROX)
+        _dgelu_store(left, off_m, off_n, h_desc, dh_desc, part_ptr, N, APPROX, COL_SUMS)
+        _dgelu_store(right, off_m, off_n + BLOCK_N // 2, h_desc, dh_desc, part_ptr, N,
+                     APPROX, COL_SUMS)
 
 
 @triton.jit
@@ -216,6 +235,11 @@ def _matmul_gelu_rhs_tma_kernel(
             c_desc.store([s, off_m, off_n + BLOCK_M // 2], bottom.to(c_desc.dtype)[None, :, :])
 
 
+# gelu_bwd's tile: 8K elements, 32 per thread at 8 warps; 64 rows make the partial-sum
+# buffer 1/64 of dh (256 rows at 16384 tokens: one short column-sum launch).
+_GELU_BWD_TILE = (64, 128)
+
+
 def _gemm_grid(M: int, N: int):
     return lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
 
@@ -247,8 +271,13 @@ def linear_gelu_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
 
 def matmul_dgelu(dy: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, approximate: str,
-                 config: TmaConfig | None = None) -> torch.Tensor:
-    """dy: (M, N2), w2: (N2, N), h: (M, N) -> dh = (dy @ w2) * gelu'(h): (M, N)."""
+                 col_sums: bool = False,
+                 config: TmaConfig | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """dy: (M, N2), w2: (N2, N), h: (M, N) -> (dh, db): dh = (dy @ w2) * gelu'(h): (M, N),
+    and with col_sums db = dh.sum(0): (N,) in fp32 (fp64), else None.
+
+    Through TMA the GEMM's epilogue sums each tile's columns, so dh is not read again; the
+    pointer version sums dh afterwards."""
     M, K = dy.shape
     N = w2.shape[1]
     dh = torch.empty((M, N), device=dy.device, dtype=dy.dtype)
@@ -256,14 +285,17 @@ def matmul_dgelu(dy: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, approximat
     if tma_ok(dy, w2, h):
         cfg = config or tma_config(N)
         tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
-        launch(_matmul_dgelu_tma_kernel, tiles, dy.device, dy, w2, h, dh, M, N, K,
-               dy.stride(0), w2.stride(0), h.stride(0), dh.stride(0), config=cfg, **flags)
-        return dh
+        parts = (torch.empty((triton.cdiv(M, cfg.block_m), N), device=dy.device,
+                             dtype=stat_dtype(dy)) if col_sums else dh)  # dh: never written
+        launch(_matmul_dgelu_tma_kernel, tiles, dy.device, dy, w2, h, dh, parts, M, N, K,
+               dy.stride(0), w2.stride(0), h.stride(0), dh.stride(0), config=cfg,
+               COL_SUMS=col_sums, **flags)
+        return dh, bias_grad(parts) if col_sums else None
     _matmul_dgelu_kernel[_gemm_grid(M, N)](
         dy, w2, h, dh, M, N, K,
         dy.stride(0), dy.stride(1), w2.stride(0), w2.stride(1),
         h.stride(0), h.stride(1), dh.stride(0), dh.stride(1), **flags)
-    return dh
+    return dh, bias_grad(dh) if col_sums else None
 
 
 def k_splits(tiles: int, K: int, device: torch.device, per_sm: int = 1) -> int:
@@ -316,12 +348,18 @@ def matmul_gelu_rhs(dy: torch.Tensor, h: torch.Tensor, approximate: str,
     return (out[0] if reduce else out.sum(0)).to(dy.dtype)
 
 
-def gelu_bwd(dy: torch.Tensor, h: torch.Tensor, approximate: str) -> torch.Tensor:
-    """dy, h: same shape -> dy * gelu'(h)."""
-    dy, h = dy.contiguous(), h.contiguous()
-    dh = torch.empty_like(h)
-    n = h.numel()
-    block = 4096
-    _gelu_bwd_kernel[(triton.cdiv(n, block),)](
-        dy, h, dh, n, APPROX=gelu_mode(approximate, h), ACC=acc_dtype(h), BLOCK=block)
-    return dh
+def gelu_bwd(dy: torch.Tensor, h: torch.Tensor, approximate: str,
+             col_sums: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """dy, h: (M, N) -> (dh, db): dh = dy * gelu'(h), and with col_sums db = dh.sum(0): (N,)
+    in fp32 (fp64), from the kernel's tiles, else None."""
+    dy, h = (t if t.stride(-1) == 1 else t.contiguous() for t in (dy, h))
+    M, N = h.shape
+    dh = torch.empty((M, N), device=h.device, dtype=h.dtype)
+    block_m, block_n = _GELU_BWD_TILE
+    parts = (torch.empty((triton.cdiv(M, block_m), N), device=h.device, dtype=stat_dtype(h))
+             if col_sums else dh)  # dh: never written as parts
+    _gelu_bwd_kernel[(triton.cdiv(M, block_m), triton.cdiv(N, block_n))](
+        dy, h, dh, parts, M, N, dy.stride(0), h.stride(0), dh.stride(0), COL_SUMS=col_sums,
+        APPROX=gelu_mode(approximate, h), ACC=acc_dtype(h), BLOCK_M=block_m, BLOCK_N=block_n,
+        num_warps=8)
+    return dh, bias_grad(parts) if col_sums else None

@@ -13,6 +13,7 @@ from torch.utils.flop_counter import register_flop_formula
 
 from fusedtrain import eager
 from fusedtrain.kernels import linear_gelu as K
+from fusedtrain.kernels._common import stat_dtype
 from fusedtrain.ops._registry import backward_wanted, launcher
 from fusedtrain.ops._validate import (
     autocast_cast,
@@ -52,14 +53,26 @@ def _(x, weight, bias, approximate):
     return x.new_empty((x.shape[0], weight.shape[0]))
 
 
+def _with_sums(dh: Tensor, db: Tensor | None) -> tuple[Tensor, Tensor]:
+    """A launcher's (dh, db) with db empty when not asked for (an op returns tensors)."""
+    return dh, db if db is not None else dh.new_empty(0, dtype=stat_dtype(dh))
+
+
+def _fake_with_sums(h: Tensor, col_sums: bool) -> tuple[Tensor, Tensor]:
+    return h.new_empty(h.shape), h.new_empty(h.shape[1] if col_sums else 0,
+                                             dtype=stat_dtype(h))
+
+
 @launcher("matmul_dgelu")
-def _matmul_dgelu(dy: Tensor, w2: Tensor, h: Tensor, approximate: str) -> Tensor:
-    return K.matmul_dgelu(dy, w2, h, approximate)
+def _matmul_dgelu(dy: Tensor, w2: Tensor, h: Tensor, approximate: str,
+                  col_sums: bool) -> tuple[Tensor, Tensor]:
+    """(dh, db): db = dh.sum(0) in fp32 (fp64) with col_sums, else empty."""
+    return _with_sums(*K.matmul_dgelu(dy, w2, h, approximate, col_sums))
 
 
 @_matmul_dgelu.register_fake
-def _(dy, w2, h, approximate):
-    return h.new_empty(h.shape)
+def _(dy, w2, h, approximate, col_sums):
+    return _fake_with_sums(h, col_sums)
 
 
 @launcher("matmul_gelu_rhs")
@@ -73,13 +86,14 @@ def _(dy, h, approximate):
 
 
 @launcher("gelu_bwd")
-def _gelu_bwd(dy: Tensor, h: Tensor, approximate: str) -> Tensor:
-    return K.gelu_bwd(dy, h, approximate)
+def _gelu_bwd(dy: Tensor, h: Tensor, approximate: str, col_sums: bool) -> tuple[Tensor, Tensor]:
+    """(dh, db): db = dh.sum(0) in fp32 (fp64) with col_sums, else empty."""
+    return _with_sums(*K.gelu_bwd(dy, h, approximate, col_sums))
 
 
 @_gelu_bwd.register_fake
-def _(dy, h, approximate):
-    return h.new_empty(h.shape)
+def _(dy, h, approximate, col_sums):
+    return _fake_with_sums(h, col_sums)
 
 
 @register_flop_formula([torch.ops.fusedtrain.linear_gelu_fwd,
@@ -106,6 +120,11 @@ def _bias_grad(dh: Tensor, bias: Tensor | None) -> Tensor | None:
     return None if bias is None else column_sums(dh).to(bias.dtype)
 
 
+def _in_dtype(db: Tensor, bias: Tensor | None) -> Tensor | None:
+    """A launcher's fp32 bias gradient in the bias's dtype (None without a bias)."""
+    return None if bias is None else db.to(bias.dtype)
+
+
 class LinearGELUFunction(torch.autograd.Function):
     """y = gelu(x @ W.T + b); saves x and h = x @ W.T + b, recomputes gelu'(h)."""
 
@@ -119,8 +138,8 @@ class LinearGELUFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: Tensor):
         x, weight, bias, h = ctx.saved_tensors
-        dh = _gelu_bwd(dy, h, ctx.approximate)
-        return dh @ weight, dh.t() @ x, _bias_grad(dh, bias), None
+        dh, db = _gelu_bwd(dy, h, ctx.approximate, bias is not None)
+        return dh @ weight, dh.t() @ x, _in_dtype(db, bias), None
 
 
 class FusedMLPFunction(torch.autograd.Function):
@@ -140,8 +159,8 @@ class FusedMLPFunction(torch.autograd.Function):
         a = ctx.approximate
         # dW2 first: its split-K partial sums are freed before dh is allocated.
         dw2 = _matmul_gelu_rhs(dy, h, a)      # dy.T @ gelu(h)
-        dh = _matmul_dgelu(dy, w2, h, a)      # (dy @ W2) * gelu'(h)
-        return dh @ w1, dh.t() @ x, _bias_grad(dh, b1), dw2, _bias_grad(dy, b2), None
+        dh, db1 = _matmul_dgelu(dy, w2, h, a, b1 is not None)  # (dy @ W2) * gelu'(h)
+        return dh @ w1, dh.t() @ x, _in_dtype(db1, b1), dw2, _bias_grad(dy, b2), None
 
 
 # ---------------------------------------------------------------- public ops
