@@ -58,6 +58,33 @@ def test_inplace_backward_writes_the_gradient_over_the_logits():
     torch.testing.assert_close(g, ref, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("dloss", [1.0, 3.0])
+def test_inplace_gradient_made_in_forward_for_any_loss_gradient(dloss):
+    """With a backward to come, the forward writes the gradient of the mean over the
+    logits; backward then multiplies by dloss only where it is not 1."""
+    logits = torch.randn(3, 7, 900, dtype=F64)
+    logits[0, 0, :5] = float("-inf")  # masked vocabulary entries
+    t = _targets((3, 7), 900, ignored=3)
+    ref_leaf = logits.clone().requires_grad_()
+    ref_loss = eager.cross_entropy(ref_leaf, t)
+    (ref,) = torch.autograd.grad(ref_loss * dloss, ref_leaf)
+    scaled = logits.clone().requires_grad_() * 1.0
+    loss = ops.cross_entropy(scaled, t, inplace_backward=True)
+    torch.testing.assert_close(loss, ref_loss.detach())
+    (g,) = torch.autograd.grad(loss * dloss, scaled)
+    assert g.data_ptr() == scaled.data_ptr()
+    torch.testing.assert_close(g, ref)
+
+
+def test_inplace_without_a_backward_leaves_the_logits():
+    logits = torch.randn(4, 300)
+    t = _targets((4,), 300)
+    kept = logits.clone()
+    with torch.no_grad():
+        ops.cross_entropy(logits.requires_grad_(), t, inplace_backward=True)
+    assert torch.equal(logits, kept)
+
+
 def test_compile_fullgraph_matches_eager():
     logits = torch.randn(2, 6, 50, requires_grad=True)
     t = _targets((2, 6), 50)
