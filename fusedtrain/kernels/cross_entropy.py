@@ -19,6 +19,8 @@ fourteenth round).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -27,6 +29,7 @@ from fusedtrain.kernels import INTERPRET
 from fusedtrain.kernels._common import acc_dtype, device_fn, row_max, row_sum, sm_count, stat_dtype
 
 BLOCK_V = 1024 if INTERPRET else 4096
+LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @device_fn
@@ -44,37 +47,36 @@ def _write_row_grad(x_row, d_row, V, lse, target, g, ACC: tl.constexpr,
 
 
 @triton.jit
-def _ce_fwd_kernel(logits_ptr, target_ptr, loss_ptr, lse_ptr, scale_ptr, V, s_row,
+def _ce_fwd_kernel(logits_ptr, target_ptr, loss_ptr, lse_ptr, scale_ptr, M, V, s_row,
                    ignore_index, GRAD: tl.constexpr, ACC: tl.constexpr, BLOCK_V: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    base = logits_ptr + row * s_row
+    # Rows pid, pid + P, ... of the (M, V) logits for P programs.
     cols = tl.arange(0, BLOCK_V)
-    # Running max m and sum l of exp(x - m), kept per lane and combined at the end, so
-    # the loop body has no cross-lane reduction. One exp per element: of the two factors
-    # exp(m - m_new) and exp(x - m_new), one is exp(0).
-    m = tl.full((BLOCK_V,), float("-inf"), ACC)
-    l = tl.full((BLOCK_V,), 0.0, ACC)
-    for start in range(0, V, BLOCK_V):
-        x = tl.load(base + start + cols, mask=start + cols < V, other=float("-inf")).to(ACC)
-        rises = x > m
-        # exp(-|x - m|), 0 while both are -inf (a lane with nothing yet)
-        e = tl.where(m == x, 1.0, tl.exp(tl.where(rises, m - x, x - m)))
-        e = tl.where(x == float("-inf"), 0.0, e)
-        l = tl.where(rises, l * e + 1.0, l + e)
-        m = tl.maximum(m, x)
-    m_row = row_max(m, 0)
-    m_safe = tl.where(m == float("-inf"), m_row, m)  # lanes that saw only -inf have l = 0
-    lse = m_row + tl.log(row_sum(l * tl.exp(m_safe - m_row), 0))
-    target = tl.load(target_ptr + row)
-    in_range = (target >= 0) & (target < V)
-    x_t = tl.load(base + tl.where(in_range, target, 0)).to(ACC)
-    # an ignored row adds 0; a target outside [0, V) gives NaN rather than a stray read
-    loss = tl.where(in_range, lse - x_t, float("nan"))
-    tl.store(loss_ptr + row, tl.where(target == ignore_index, 0.0, loss))
-    tl.store(lse_ptr + row, lse)
-    if GRAD:
-        g = tl.where(target != ignore_index, tl.load(scale_ptr).to(ACC), 0.0)
-        _write_row_grad(base, base, V, lse, target, g, ACC, BLOCK_V)
+    base = logits_ptr + tl.program_id(0).to(tl.int64) * s_row
+    for row in range(tl.program_id(0), M, tl.num_programs(0)):
+        # Online logsumexp in base 2 over chunks: m, the running maximum of x log2(e)
+        # (one reduction across lanes a chunk), and per lane l, the sum of 2^(x log2(e) - m).
+        # One exp2 per element, and a multiply-add.
+        m = tl.full((), float("-inf"), ACC)
+        l = tl.full((BLOCK_V,), 0.0, ACC)
+        for start in range(0, V, BLOCK_V):
+            x = tl.load(base + start + cols, mask=start + cols < V,
+                        other=float("-inf")).to(ACC) * LOG2E
+            m_new = tl.maximum(m, row_max(x, 0))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # only -inf so far
+            l = l * tl.exp2(m - m_safe) + tl.exp2(x - m_safe)
+            m = m_new
+        lse = (m + tl.log2(row_sum(l, 0))) / LOG2E
+        target = tl.load(target_ptr + row)
+        in_range = (target >= 0) & (target < V)
+        x_t = tl.load(base + tl.where(in_range, target, 0)).to(ACC)
+        # an ignored row adds 0; a target outside [0, V) gives NaN rather than a stray read
+        loss = tl.where(in_range, lse - x_t, float("nan"))
+        tl.store(loss_ptr + row, tl.where(target == ignore_index, 0.0, loss))
+        tl.store(lse_ptr + row, lse)
+        if GRAD:
+            g = tl.where(target != ignore_index, tl.load(scale_ptr).to(ACC), 0.0)
+            _write_row_grad(base, base, V, lse, target, g, ACC, BLOCK_V)
+        base += tl.num_programs(0).to(tl.int64) * s_row
 
 
 @triton.jit
@@ -104,21 +106,34 @@ def _scale_unless_one_kernel(d_ptr, g_ptr, M, V, s_row, ACC: tl.constexpr,
             row_ptr += tl.num_programs(0).to(tl.int64) * s_row
 
 
+@dataclass(frozen=True)
+class CeForwardConfig:
+    """Launch of the forward kernel: `per_sm` programs per SM, each walking rows."""
+
+    block_v: int = 4096
+    num_warps: int = 8
+    per_sm: int = 4
+
+
 def cross_entropy_fwd(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int,
-                      grad_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      grad_scale: torch.Tensor | None = None,
+                      config: CeForwardConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """logits: (M, V) with unit column stride, targets: (M,) int64 ->
     (loss per row, lse per row), both (M,) fp32 (fp64 for fp64 logits).
 
     grad_scale (a one-element tensor, g): also writes the gradient of g * sum(row losses),
     (softmax - onehot(target)) * g, zero on ignored rows, over the logits: in place, the
-    logits' values are gone after the call."""
+    logits' values are gone after the call. `config` overrides the launch (for tuning)."""
     M, V = logits.shape
     loss = torch.empty(M, device=logits.device, dtype=stat_dtype(logits))
     lse = torch.empty_like(loss)
     grad = grad_scale is not None
-    _ce_fwd_kernel[(M,)](logits, targets, loss, lse, grad_scale if grad else loss, V,
-                         logits.stride(0), ignore_index, GRAD=grad, ACC=acc_dtype(logits),
-                         BLOCK_V=BLOCK_V, num_warps=8)
+    cfg = config or CeForwardConfig()
+    programs = 4 if INTERPRET else cfg.per_sm * sm_count(logits.device)
+    _ce_fwd_kernel[(max(1, min(M, programs)),)](
+        logits, targets, loss, lse, grad_scale if grad else loss, M, V, logits.stride(0),
+        ignore_index, GRAD=grad, ACC=acc_dtype(logits),
+        BLOCK_V=BLOCK_V if INTERPRET else cfg.block_v, num_warps=cfg.num_warps)
     return loss, lse
 
 
