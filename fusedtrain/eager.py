@@ -12,6 +12,11 @@ import torch
 import torch.nn.functional as F
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T + bias (ops.linear's twin: nn.Linear's own computation)."""
+    return F.linear(x, weight, bias)
+
+
 def linear_gelu(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
     approximate: str = "none",

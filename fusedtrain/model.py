@@ -75,7 +75,7 @@ class Block(nn.Module):
         self.mlp = MLP(cfg.n_embd, k["mlp"], cfg.bias, cfg.gelu)
         self.drop = nn.Dropout(cfg.dropout)
         # The Linears whose parameters the fused ops read, cast together each step.
-        self._fused_linears = ([self.attn.c_attn] if k["qkv"] else []) + (
+        self._fused_linears = ([self.attn.c_attn, self.attn.c_proj] if k["qkv"] else []) + (
             [self.mlp.c_fc, self.mlp.c_proj] if k["mlp"] else [])
 
     def forward(

@@ -66,7 +66,9 @@ class MLP(nn.Module):
 class CausalSelfAttention(nn.Module):
     """x: (B, T, C) -> causal multi-head self-attention: (B, T, C).
 
-    fused_qkv: one Triton GEMM writes q, k, v as (B, H, T, D); else one linear + split.
+    fused_qkv: one Triton GEMM writes q, k, v as (B, H, T, D), and the output projection
+    is `ops.linear` (grouped casts, the column-sum kernel's bias gradient); else one
+    linear + split, and nn.Linear.
     fused_attention: Triton flash attention; else `eager_attention`, "math" (the
     (T, T) matrix in memory) or "sdpa" (PyTorch's scaled_dot_product_attention).
     """
@@ -95,4 +97,7 @@ class CausalSelfAttention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
             y = eager.flash_attention(q, k, v, causal=True)
-        return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
+        y = y.transpose(1, 2).reshape(B, T, C)
+        if self.fused_qkv:  # the projections' family: casts grouped, bias gradient fused
+            return _fused_ops().linear(y, self.c_proj.weight, self.c_proj.bias)
+        return self.c_proj(y)
