@@ -30,16 +30,18 @@ def train_variants(ablation: bool, compile_mode: str = "default") -> dict[str, d
         "fused": dict(kernels=every, eager_attention="sdpa", compile=False),
         "compile-fused": dict(kernels=every, eager_attention="sdpa", compile=compile_mode),
     }
-    if ablation:
-        for fam in KERNEL_FAMILIES:
-            v[f"fused-no-{fam}"] = dict(kernels={**every, fam: False}, eager_attention="sdpa",
-                                        compile=False)
     # The whole step (forward, backward, AdamW) captured once as one CUDA graph and
     # replayed: the GPU work of `fused` without the host's per-launch cost. Last: in one
     # H200 run, two plain variants timed after these captures in the same process ran 2.2x
     # and 2.4x slower than in a fresh one (docs/perf-notes.md, twelfth round).
     v["fused-graph"] = dict(kernels=every, eager_attention="sdpa", compile=False, graph=True)
     v["eager-sdpa-graph"] = dict(kernels=none, eager_attention="sdpa", compile=False, graph=True)
+    if ablation:
+        # Graphed too: the plain fused step is bound by the host's launches, which would
+        # hide what a family's kernels cost on the GPU.
+        for fam in KERNEL_FAMILIES:
+            v[f"fused-graph-no-{fam}"] = dict(kernels={**every, fam: False},
+                                              eager_attention="sdpa", compile=False, graph=True)
     return v
 
 
