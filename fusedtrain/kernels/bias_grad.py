@@ -35,7 +35,8 @@ _SHORT = 2048
 def store_column_sums(part_ptr, row, cols, N, tile):
     """Row `row` of a (rows, N) partial-sum buffer, at columns `cols`: the column sums of
     `tile` (BLOCK_M, len(cols)), whose rows past the matrix's end must be zero."""
-    tl.store(part_ptr + row.to(tl.int64) * N + cols, row_sum(tile, 0), mask=cols < N)
+    tl.store(part_ptr + row.to(tl.int64) * N + cols,
+             row_sum(tile, 0).to(part_ptr.dtype.element_ty), mask=cols < N)
 
 
 @triton.jit
@@ -53,8 +54,10 @@ def _column_sums_kernel(g_ptr, part_ptr, M, N, s_gm, ACC: tl.constexpr,
     store_column_sums(part_ptr, p, cols, N, acc)
 
 
-def bias_grad(g: torch.Tensor) -> torch.Tensor:
-    """g: (M, N) -> g.sum(0): (N,), accumulated and returned in fp32 (fp64 for fp64 g)."""
+def bias_grad(g: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """g: (M, N) -> g.sum(0): (N,), accumulated in fp32 (fp64 for fp64 g) and returned in
+    `dtype` (default: the accumulation's), rounded once by the last pass's store: no
+    separate cast kernel for a bias gradient in the bias's dtype."""
     if g.stride(-1) != 1:
         g = g.contiguous()
     M, N = g.shape
@@ -69,8 +72,10 @@ def bias_grad(g: torch.Tensor) -> torch.Tensor:
         wanted = 4 if INTERPRET else max(1, 4 * sm_count(g.device) // triton.cdiv(N, block_n))
         programs = max(1, min(wanted, triton.cdiv(M, _TILE // block_n)))
     block_m = min(_TILE // block_n, triton.next_power_of_2(max(M, 1)))
-    parts = torch.empty((programs, N), device=g.device, dtype=stat_dtype(g))
+    last = programs == 1
+    parts = torch.empty((programs, N), device=g.device,
+                        dtype=(dtype or stat_dtype(g)) if last else stat_dtype(g))
     _column_sums_kernel[(programs, triton.cdiv(N, block_n))](
         g, parts, M, N, g.stride(0), ACC=acc_dtype(g), BLOCK_M=block_m, BLOCK_N=block_n,
         num_warps=_WARPS)
-    return parts[0] if programs == 1 else bias_grad(parts)
+    return parts[0] if last else bias_grad(parts, dtype)

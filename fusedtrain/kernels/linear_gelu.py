@@ -274,7 +274,8 @@ def matmul_dgelu(dy: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, approximat
                  col_sums: bool = False,
                  config: TmaConfig | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """dy: (M, N2), w2: (N2, N), h: (M, N) -> (dh, db): dh = (dy @ w2) * gelu'(h): (M, N),
-    and with col_sums db = dh.sum(0): (N,) in fp32 (fp64), else None.
+    and with col_sums db = dh.sum(0): (N,) in dh's dtype, accumulated in fp32 (fp64),
+    else None.
 
     Through TMA the GEMM's epilogue sums each tile's columns, so dh is not read again; the
     pointer version sums dh afterwards."""
@@ -290,12 +291,12 @@ def matmul_dgelu(dy: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, approximat
         launch(_matmul_dgelu_tma_kernel, tiles, dy.device, dy, w2, h, dh, parts, M, N, K,
                dy.stride(0), w2.stride(0), h.stride(0), dh.stride(0), config=cfg,
                COL_SUMS=col_sums, **flags)
-        return dh, bias_grad(parts) if col_sums else None
+        return dh, bias_grad(parts, dh.dtype) if col_sums else None
     _matmul_dgelu_kernel[_gemm_grid(M, N)](
         dy, w2, h, dh, M, N, K,
         dy.stride(0), dy.stride(1), w2.stride(0), w2.stride(1),
         h.stride(0), h.stride(1), dh.stride(0), dh.stride(1), **flags)
-    return dh, bias_grad(dh) if col_sums else None
+    return dh, bias_grad(dh, dh.dtype) if col_sums else None
 
 
 def k_splits(tiles: int, K: int, device: torch.device, per_sm: int = 1) -> int:
@@ -351,7 +352,7 @@ def matmul_gelu_rhs(dy: torch.Tensor, h: torch.Tensor, approximate: str,
 def gelu_bwd(dy: torch.Tensor, h: torch.Tensor, approximate: str,
              col_sums: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """dy, h: (M, N) -> (dh, db): dh = dy * gelu'(h), and with col_sums db = dh.sum(0): (N,)
-    in fp32 (fp64), from the kernel's tiles, else None."""
+    in dh's dtype (accumulated in fp32, fp64), from the kernel's tiles, else None."""
     dy, h = (t if t.stride(-1) == 1 else t.contiguous() for t in (dy, h))
     M, N = h.shape
     dh = torch.empty((M, N), device=h.device, dtype=h.dtype)
@@ -362,4 +363,4 @@ def gelu_bwd(dy: torch.Tensor, h: torch.Tensor, approximate: str,
         dy, h, dh, parts, M, N, dy.stride(0), h.stride(0), dh.stride(0), COL_SUMS=col_sums,
         APPROX=gelu_mode(approximate, h), ACC=acc_dtype(h), BLOCK_M=block_m, BLOCK_N=block_n,
         num_warps=8)
-    return dh, bias_grad(parts) if col_sums else None
+    return dh, bias_grad(parts, dh.dtype) if col_sums else None

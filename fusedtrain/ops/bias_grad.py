@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import torch
 
-from fusedtrain.kernels._common import stat_dtype
 from fusedtrain.kernels.bias_grad import bias_grad
 from fusedtrain.ops._registry import launcher
 
 
 @launcher("bias_grad")
 def column_sums(g: torch.Tensor) -> torch.Tensor:
-    """g: (M, N) -> g.sum(0): (N,), accumulated and returned in fp32 (fp64 for fp64 g)."""
-    return bias_grad(g)
+    """g: (M, N) -> g.sum(0): (N,) in g's dtype, accumulated in fp32 (fp64 for fp64 g)."""
+    return bias_grad(g, g.dtype)
 
 
 @column_sums.register_fake
 def _(g):
-    return g.new_empty(g.shape[1], dtype=stat_dtype(g))
+    return g.new_empty(g.shape[1])

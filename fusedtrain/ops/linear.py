@@ -32,7 +32,7 @@ class LinearFunction(torch.autograd.Function):
         want_x, want_w, want_b = ctx.needs_input_grad
         dx = (dy2 @ weight).view(x.shape) if want_x else None
         dw = dy2.t() @ x.reshape(-1, x.shape[-1]) if want_w else None
-        db = column_sums(dy2).to(dy.dtype) if ctx.has_bias and want_b else None
+        db = column_sums(dy2) if ctx.has_bias and want_b else None
         return dx, dw, db
 
 

@@ -13,7 +13,6 @@ from torch.utils.flop_counter import register_flop_formula
 
 from fusedtrain import eager
 from fusedtrain.kernels import linear_gelu as K
-from fusedtrain.kernels._common import stat_dtype
 from fusedtrain.ops._registry import backward_wanted, launcher
 from fusedtrain.ops._validate import (
     autocast_cast,
@@ -55,18 +54,17 @@ def _(x, weight, bias, approximate):
 
 def _with_sums(dh: Tensor, db: Tensor | None) -> tuple[Tensor, Tensor]:
     """A launcher's (dh, db) with db empty when not asked for (an op returns tensors)."""
-    return dh, db if db is not None else dh.new_empty(0, dtype=stat_dtype(dh))
+    return dh, db if db is not None else dh.new_empty(0)
 
 
 def _fake_with_sums(h: Tensor, col_sums: bool) -> tuple[Tensor, Tensor]:
-    return h.new_empty(h.shape), h.new_empty(h.shape[1] if col_sums else 0,
-                                             dtype=stat_dtype(h))
+    return h.new_empty(h.shape), h.new_empty(h.shape[1] if col_sums else 0)
 
 
 @launcher("matmul_dgelu")
 def _matmul_dgelu(dy: Tensor, w2: Tensor, h: Tensor, approximate: str,
                   col_sums: bool) -> tuple[Tensor, Tensor]:
-    """(dh, db): db = dh.sum(0) in fp32 (fp64) with col_sums, else empty."""
+    """(dh, db): db = dh.sum(0) in dh's dtype with col_sums, else empty."""
     return _with_sums(*K.matmul_dgelu(dy, w2, h, approximate, col_sums))
 
 
@@ -87,7 +85,7 @@ def _(dy, h, approximate):
 
 @launcher("gelu_bwd")
 def _gelu_bwd(dy: Tensor, h: Tensor, approximate: str, col_sums: bool) -> tuple[Tensor, Tensor]:
-    """(dh, db): db = dh.sum(0) in fp32 (fp64) with col_sums, else empty."""
+    """(dh, db): db = dh.sum(0) in dh's dtype with col_sums, else empty."""
     return _with_sums(*K.gelu_bwd(dy, h, approximate, col_sums))
 
 
@@ -115,14 +113,13 @@ def _(dy_shape, h_shape, *args, **kwargs) -> int:
 # ---------------------------------------------------------------- autograd
 
 
+# The bias gradients below come in the gradient's dtype, which the inputs' checks make
+# the bias's: summed in fp32, rounded once, with no cast kernel of their own.
+
+
 def _bias_grad(dh: Tensor, bias: Tensor | None) -> Tensor | None:
-    """dh: (M, N) -> dh.sum(0) in the bias's dtype, accumulated in fp32."""
-    return None if bias is None else column_sums(dh).to(bias.dtype)
-
-
-def _in_dtype(db: Tensor, bias: Tensor | None) -> Tensor | None:
-    """A launcher's fp32 bias gradient in the bias's dtype (None without a bias)."""
-    return None if bias is None else db.to(bias.dtype)
+    """dh: (M, N) -> dh.sum(0) (None without a bias)."""
+    return None if bias is None else column_sums(dh)
 
 
 class LinearGELUFunction(torch.autograd.Function):
@@ -139,7 +136,7 @@ class LinearGELUFunction(torch.autograd.Function):
     def backward(ctx, dy: Tensor):
         x, weight, bias, h = ctx.saved_tensors
         dh, db = _gelu_bwd(dy, h, ctx.approximate, bias is not None)
-        return dh @ weight, dh.t() @ x, _in_dtype(db, bias), None
+        return dh @ weight, dh.t() @ x, db if bias is not None else None, None
 
 
 class FusedMLPFunction(torch.autograd.Function):
@@ -160,7 +157,7 @@ class FusedMLPFunction(torch.autograd.Function):
         # dW2 first: its split-K partial sums are freed before dh is allocated.
         dw2 = _matmul_gelu_rhs(dy, h, a)      # dy.T @ gelu(h)
         dh, db1 = _matmul_dgelu(dy, w2, h, a, b1 is not None)  # (dy @ W2) * gelu'(h)
-        return dh @ w1, dh.t() @ x, _in_dtype(db1, b1), dw2, _bias_grad(dy, b2), None
+        return dh @ w1, dh.t() @ x, db1 if b1 is not None else None, dw2, _bias_grad(dy, b2), None
 
 
 # ---------------------------------------------------------------- public ops

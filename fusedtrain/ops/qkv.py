@@ -66,7 +66,8 @@ def _packed(dq: Tensor, dk: Tensor, dv: Tensor) -> Tensor | None:
 @launcher("qkv_bwd")
 def _qkv_bwd(dq: Tensor, dk: Tensor, dv: Tensor, x: Tensor, weight: Tensor,
              with_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """(dx, dW, db): db the fp32 (fp64) sums, empty unless with_bias. The layout is looked
+    """(dx, dW, db): db the sums (accumulated in fp32, fp64) in the gradients' dtype, empty
+    unless with_bias. The layout is looked
     at here, inside the op, so that torch.compile (whose fake tensors have no addresses)
     makes the same choice at run time: dq, dk, dv as the fused attention writes them are
     one (B*T, 3C) matrix, and the backward two cuBLAS GEMMs and a column sum on it; any
@@ -75,12 +76,12 @@ def _qkv_bwd(dq: Tensor, dk: Tensor, dv: Tensor, x: Tensor, weight: Tensor,
     if g is not None:
         dx = (g @ weight).view(x.shape)
         dw = g.t() @ x.reshape(-1, x.shape[-1])
-        db = bias_grad(g) if with_bias else None
+        db = bias_grad(g, g.dtype) if with_bias else None
     else:
         dq, dk, dv = _same_layout(dq, dk, dv)
         dx, dw = K.qkv_dx(dq, dk, dv, weight), K.qkv_dw(dq, dk, dv, x)
-        db = torch.cat([_head_sums(t) for t in (dq, dk, dv)]) if with_bias else None
-    return dx, dw, db if db is not None else dq.new_empty(0, dtype=stat_dtype(dq))
+        db = torch.cat([_head_sums(t) for t in (dq, dk, dv)]).to(dq.dtype) if with_bias else None
+    return dx, dw, db if db is not None else dq.new_empty(0)
 
 
 @_qkv_bwd.register_fake
@@ -88,7 +89,7 @@ def _(dq, dk, dv, x, weight, with_bias):
     B, H, T, D = dq.shape
     C = H * D
     return (dq.new_empty((B, T, C)), dq.new_empty((3 * C, C)),
-            dq.new_empty(3 * C if with_bias else 0, dtype=stat_dtype(dq)))
+            dq.new_empty(3 * C if with_bias else 0))
 
 
 @register_flop_formula(torch.ops.fusedtrain.qkv_bwd)
@@ -108,7 +109,7 @@ class QKVProjectionFunction(torch.autograd.Function):
     def backward(ctx, dq: Tensor, dk: Tensor, dv: Tensor):
         x, weight, bias = ctx.saved_tensors
         dx, dw, db = _qkv_bwd(dq, dk, dv, x, weight, bias is not None)
-        return dx, dw, None if bias is None else db.to(bias.dtype), None
+        return dx, dw, None if bias is None else db, None
 
 
 def qkv_projection(x: Tensor, weight: Tensor, bias: Tensor | None,
