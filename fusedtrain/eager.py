@@ -12,6 +12,11 @@ import torch
 import torch.nn.functional as F
 
 
+def embedding(idx: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """weight[idx] (ops.embedding's twin: nn.Embedding's own computation)."""
+    return F.embedding(idx, weight)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T + bias (ops.linear's twin: nn.Linear's own computation)."""
     return F.linear(x, weight, bias)

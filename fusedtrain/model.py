@@ -13,7 +13,7 @@ from fusedtrain import eager
 from fusedtrain.casts import grouped_casts
 from fusedtrain.modules import MLP, CausalSelfAttention, ResidualLayerNorm
 
-KERNEL_FAMILIES = ("mlp", "qkv", "attention", "layernorm", "cross_entropy")
+KERNEL_FAMILIES = ("mlp", "qkv", "attention", "layernorm", "cross_entropy", "embedding")
 
 
 @dataclass
@@ -125,6 +125,10 @@ class GPT(nn.Module):
             )
         tr = self.transformer
         pos = torch.arange(T, device=idx.device)
+        if self.config.kernels["embedding"]:
+            from fusedtrain import ops
+
+            return tr.drop(ops.embedding(idx, tr.wte.weight) + ops.embedding(pos, tr.wpe.weight))
         return tr.drop(tr.wte(idx) + tr.wpe(pos))
 
     def logits(self, stream: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:

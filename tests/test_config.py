@@ -45,7 +45,8 @@ def test_fused_switch_sets_every_component(fused):
 def test_per_component_override():
     run = build_run_config(_compose(["fused=true", "model.kernels.attention=false"]))
     assert run.model.kernels == {"mlp": True, "qkv": True, "attention": False,
-                                 "layernorm": True, "cross_entropy": True}
+                                 "layernorm": True, "cross_entropy": True,
+                                 "embedding": True}
 
 
 @pytest.mark.parametrize("override,match", [

@@ -47,6 +47,7 @@ def first_calls():
         y, s = ops.add_layer_norm(x, leaf(B, T, C), leaf(C), leaf(C))
         losses += [y.sum(), s.sum(), ops.layer_norm_gelu(x, leaf(C), leaf(C)).sum()]
         losses.append(ops.cross_entropy(leaf(B * T, 11), torch.randint(0, 11, (B * T,))))
+        losses.append(ops.embedding(torch.tensor([[1, 4, 1]]), leaf(6, C)).sum())
         sum(losses).backward()
     return mode.calls
 

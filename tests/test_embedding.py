@@ -1,0 +1,64 @@
+"""ops.embedding: weight[idx], its backward an atomic scatter-add into fp32."""
+
+import pytest
+import torch
+from torch.autograd import gradcheck
+
+from fusedtrain import eager, ops
+
+F64 = torch.float64
+
+
+def test_gradcheck_with_repeated_ids():
+    w = torch.randn(7, 5, dtype=F64, requires_grad=True)
+    idx = torch.tensor([[0, 3, 3], [6, 3, 0]])  # ids repeated within and across rows
+    assert gradcheck(lambda t: ops.embedding(idx, t), (w,))
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_matches_the_twin_at_odd_shapes(deterministic):
+    """Column tails (C = 300 across two 256-wide blocks), token tails, hot rows."""
+    w = torch.randn(97, 300)
+    idx = torch.randint(0, 97, (3, 45))
+    idx[0, :20] = 5
+    leaf, ref_leaf = w.clone().requires_grad_(), w.clone().requires_grad_()
+    mode = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        y = ops.embedding(idx, leaf)
+        g = torch.randn_like(y)
+        y.backward(g)
+    finally:
+        torch.use_deterministic_algorithms(mode)
+    y_ref = eager.embedding(idx, ref_leaf)
+    y_ref.backward(g)
+    torch.testing.assert_close(y, y_ref, rtol=0, atol=0)
+    torch.testing.assert_close(leaf.grad, ref_leaf.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_weight_gets_a_bf16_gradient():
+    w = torch.randn(11, 8, dtype=torch.bfloat16, requires_grad=True)
+    idx = torch.tensor([1, 1, 4])
+    ops.embedding(idx, w).float().sum().backward()
+    assert w.grad.dtype == torch.bfloat16
+    assert w.grad[1].eq(2).all() and w.grad[4].eq(1).all() and w.grad[0].eq(0).all()
+
+
+def test_compile_fullgraph_matches_eager():
+    w = torch.randn(10, 4, requires_grad=True)
+    idx = torch.tensor([[1, 2, 1]])
+    compiled = torch.compile(lambda t: ops.embedding(idx, t) * 2, fullgraph=True,
+                             backend="aot_eager")
+    (g,) = torch.autograd.grad(compiled(w).square().sum(), w)
+    (ref,) = torch.autograd.grad((eager.embedding(idx, w) * 2).square().sum(), w)
+    torch.testing.assert_close(g, ref)
+
+
+def test_bad_inputs():
+    w = torch.randn(5, 3)
+    with pytest.raises(TypeError, match="idx"):
+        ops.embedding(torch.zeros(2), w)
+    with pytest.raises(ValueError, match="weight"):
+        ops.embedding(torch.zeros(2, dtype=torch.long), torch.randn(5))
+    with pytest.raises(TypeError, match="weight"):
+        ops.embedding(torch.zeros(2, dtype=torch.long), w.long())
