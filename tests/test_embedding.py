@@ -62,3 +62,30 @@ def test_bad_inputs():
         ops.embedding(torch.zeros(2, dtype=torch.long), torch.randn(5))
     with pytest.raises(TypeError, match="weight"):
         ops.embedding(torch.zeros(2, dtype=torch.long), w.long())
+
+
+@pytest.mark.gpu
+def test_gpu_backward_at_gpt2_shape_and_deterministic_mode():
+    """16384 tokens with GPT-2-like repeats into a 50304 x 768 fp32 table: the atomic
+    backward equals PyTorch's sorted one to fp32 rounding, and deterministic mode's
+    fallback gives the same bits twice."""
+    torch.manual_seed(0)
+    ranks = torch.arange(1, 50305, dtype=F64)
+    idx = torch.multinomial(1.0 / ranks, 16384, replacement=True).view(16, 1024).cuda()
+    w = (torch.randn(50304, 768, device="cuda") * 0.02).requires_grad_()
+    g = torch.randn(16, 1024, 768, device="cuda")
+
+    def grad():
+        w.grad = None
+        ops.embedding(idx, w).backward(g)
+        return w.grad.clone()
+
+    ref = torch.ops.aten.embedding_dense_backward(g.view(-1, 768), idx.view(-1), 50304, -1,
+                                                  False)
+    torch.testing.assert_close(grad(), ref, rtol=1e-5, atol=1e-5)
+    mode = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert torch.equal(grad(), grad())
+    finally:
+        torch.use_deterministic_algorithms(mode)
