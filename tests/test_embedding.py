@@ -66,8 +66,10 @@ def test_bad_inputs():
 
 @pytest.mark.gpu
 def test_gpu_backward_at_gpt2_shape_and_deterministic_mode():
-    """16384 tokens with GPT-2-like repeats into a 50304 x 768 fp32 table: the atomic
-    backward equals PyTorch's sorted one to fp32 rounding, and deterministic mode's
+    """16384 tokens with GPT-2-like repeats (the commonest id ~1500 times) into a 50304 x
+    768 fp32 table: every entry of the atomic backward within the error bound of fp32
+    summation in any order, (n - 1) 2^-24 sum |g| over its n rows (the fp64 sums as the
+    reference; PyTorch's sorted backward meets the same bound), and deterministic mode's
     fallback gives the same bits twice."""
     torch.manual_seed(0)
     ranks = torch.arange(1, 50305, dtype=F64)
@@ -80,9 +82,16 @@ def test_gpu_backward_at_gpt2_shape_and_deterministic_mode():
         ops.embedding(idx, w).backward(g)
         return w.grad.clone()
 
-    ref = torch.ops.aten.embedding_dense_backward(g.view(-1, 768), idx.view(-1), 50304, -1,
+    flat = idx.view(-1)
+    ref = torch.ops.aten.embedding_dense_backward(g.view(-1, 768).double(), flat, 50304, -1,
                                                   False)
-    torch.testing.assert_close(grad(), ref, rtol=1e-5, atol=1e-5)
+    abs_sums = torch.ops.aten.embedding_dense_backward(g.view(-1, 768).double().abs(), flat,
+                                                       50304, -1, False)
+    count = torch.bincount(flat, minlength=50304).double()[:, None]
+    bound = (count - 1).clamp(min=0) * 2.0 ** -24 * abs_sums + 1e-12
+    for got in (grad(), torch.ops.aten.embedding_dense_backward(g.view(-1, 768), flat, 50304,
+                                                                -1, False)):
+        assert ((got.double() - ref).abs() <= bound).all()
     mode = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
