@@ -36,6 +36,15 @@ def test_matches_the_twin_at_odd_shapes(deterministic):
     torch.testing.assert_close(leaf.grad, ref_leaf.grad, rtol=1e-5, atol=1e-5)
 
 
+def test_strided_ids_and_gradient():
+    w = torch.randn(9, 4, requires_grad=True)
+    idx = torch.tensor([1, 0, 7, 0, 7, 3])[::2]  # a 1-D view with stride 2
+    g = torch.randn(4, 3).t()  # (3, 4), columns strided
+    ops.embedding(idx, w).backward(g)
+    ref = torch.zeros(9, 4).index_add_(0, idx, g)
+    torch.testing.assert_close(w.grad, ref)
+
+
 def test_bf16_weight_gets_a_bf16_gradient():
     w = torch.randn(11, 8, dtype=torch.bfloat16, requires_grad=True)
     idx = torch.tensor([1, 1, 4])

@@ -37,6 +37,7 @@ def _embedding_bwd_kernel(idx_ptr, dy_ptr, dw_ptr, N, C, s_dy, s_dw,
 def embedding_bwd(idx: torch.Tensor, dy: torch.Tensor, num_rows: int) -> torch.Tensor:
     """idx: (N,) row ids in [0, num_rows), dy: (N, C) -> dW: (num_rows, C), accumulated in
     fp32 (fp64 for fp64 dy) and returned in that dtype."""
+    idx = idx.contiguous()  # read with unit stride (a 1-D view may have another)
     if dy.stride(-1) != 1:
         dy = dy.contiguous()
     N, C = dy.shape
