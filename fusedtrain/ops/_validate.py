@@ -49,6 +49,32 @@ def check_same(ref_name: str, ref: torch.Tensor, **others: torch.Tensor | None) 
             raise TypeError(f"{name} has dtype {t.dtype} but {ref_name} has {ref.dtype}")
 
 
+def check_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 wname: str, bname: str, in_features: int) -> None:
+    """weight (N, in_features) and bias (N,) (or None) of a linear layer fed x, all of
+    x's dtype and device; errors name the argument."""
+    check_tensor(wname, weight, ndim=2)
+    check_same("x", x, **{wname: weight, bname: bias})
+    if weight.shape[1] != in_features:
+        raise ValueError(
+            f"{wname} has shape {tuple(weight.shape)}: expected (N, {in_features}) to match "
+            f"the input's last dimension {in_features}"
+        )
+    if bias is not None:
+        check_tensor(bname, bias, ndim=1)
+        if bias.shape[0] != weight.shape[0]:
+            raise ValueError(
+                f"{bname} has shape {tuple(bias.shape)}, expected ({weight.shape[0]},)"
+            )
+
+
+def check_index_tensor(name: str, t, what: str) -> None:
+    """t holds integer ids (`what` names them in the error)."""
+    if not isinstance(t, torch.Tensor) or t.is_floating_point() or t.is_complex() \
+            or t.dtype == torch.bool:
+        raise TypeError(f"{name} must be an integer tensor of {what}")
+
+
 def check_approximate(approximate: str) -> None:
     if approximate not in GELU_FORMS:
         raise ValueError(f"approximate must be 'none' or 'tanh', got {approximate!r}")

@@ -8,7 +8,7 @@ from torch.utils.flop_counter import register_flop_formula
 from fusedtrain.kernels import cross_entropy as K
 from fusedtrain.kernels._common import stat_dtype
 from fusedtrain.ops._registry import launcher, runs_directly
-from fusedtrain.ops._validate import check_tensor
+from fusedtrain.ops._validate import check_index_tensor, check_tensor
 
 Tensor = torch.Tensor
 
@@ -80,9 +80,7 @@ def cross_entropy(logits: Tensor, targets: Tensor, ignore_index: int = -100,
     gone after backward, so use it only for logits nothing else reads (as GPT.loss does).
     """
     check_tensor("logits", logits, min_ndim=1)
-    if not isinstance(targets, torch.Tensor) or targets.is_floating_point() \
-            or targets.is_complex() or targets.dtype == torch.bool:
-        raise TypeError("targets must be an integer tensor of class indices")
+    check_index_tensor("targets", targets, "class indices")
     if tuple(targets.shape) != tuple(logits.shape[:-1]):
         raise ValueError(f"targets has shape {tuple(targets.shape)}, expected "
                          f"{tuple(logits.shape[:-1])} (the logits' shape without the last)")

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from fusedtrain.kernels import embedding as K
 from fusedtrain.kernels._common import stat_dtype
 from fusedtrain.ops._registry import launcher
-from fusedtrain.ops._validate import check_tensor
+from fusedtrain.ops._validate import check_index_tensor, check_tensor
 
 Tensor = torch.Tensor
 
@@ -45,9 +45,7 @@ class EmbeddingFunction(torch.autograd.Function):
 def embedding(idx: Tensor, weight: Tensor) -> Tensor:
     """idx: (...) integer ids in [0, V), weight: (V, C) -> weight[idx]: (..., C)."""
     check_tensor("weight", weight, ndim=2)
-    if not isinstance(idx, Tensor) or idx.is_floating_point() or idx.is_complex() \
-            or idx.dtype == torch.bool:
-        raise TypeError("idx must be an integer tensor of row ids")
+    check_index_tensor("idx", idx, "row ids")
     if idx.device != weight.device:
         raise ValueError(f"idx is on {idx.device} but weight is on {weight.device}")
     if idx.numel() == 0 or not (torch.is_grad_enabled() and weight.requires_grad):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fusedtrain.ops._validate import autocast_cast, check_same, check_tensor
+from fusedtrain.ops._validate import autocast_cast, check_linear, check_tensor
 from fusedtrain.ops.bias_grad import column_sums
 
 Tensor = torch.Tensor
@@ -39,14 +39,8 @@ class LinearFunction(torch.autograd.Function):
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """x: (..., K), weight: (N, K), bias: (N,) -> x @ weight.T + bias: (..., N)."""
     check_tensor("x", x, min_ndim=1)
-    check_tensor("weight", weight, ndim=2)
     x, weight, bias = autocast_cast(x, weight, bias)
-    check_same("x", x, weight=weight, bias=bias)
-    if weight.shape[1] != x.shape[-1]:
-        raise ValueError(f"weight has shape {tuple(weight.shape)}: expected (N, {x.shape[-1]}) "
-                         f"to match the input's last dimension {x.shape[-1]}")
-    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
-        raise ValueError(f"bias has shape {tuple(bias.shape)}, expected ({weight.shape[0]},)")
+    check_linear(x, weight, bias, "weight", "bias", x.shape[-1])
     if x.numel() == 0:
         return F.linear(x, weight, bias)
     return LinearFunction.apply(x, weight, bias)

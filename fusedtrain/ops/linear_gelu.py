@@ -17,7 +17,7 @@ from fusedtrain.ops._registry import backward_wanted, launcher
 from fusedtrain.ops._validate import (
     autocast_cast,
     check_approximate,
-    check_same,
+    check_linear,
     check_tensor,
 )
 from fusedtrain.ops.bias_grad import column_sums
@@ -163,30 +163,13 @@ class FusedMLPFunction(torch.autograd.Function):
 # ---------------------------------------------------------------- public ops
 
 
-def _check_linear(x: Tensor, weight: Tensor, bias: Tensor | None, wname: str, bname: str,
-                  in_features: int) -> None:
-    check_tensor(wname, weight, ndim=2)
-    check_same("x", x, **{wname: weight, bname: bias})
-    if weight.shape[1] != in_features:
-        raise ValueError(
-            f"{wname} has shape {tuple(weight.shape)}: expected (N, {in_features}) to match "
-            f"the input's last dimension {in_features}"
-        )
-    if bias is not None:
-        check_tensor(bname, bias, ndim=1)
-        if bias.shape[0] != weight.shape[0]:
-            raise ValueError(
-                f"{bname} has shape {tuple(bias.shape)}, expected ({weight.shape[0]},)"
-            )
-
-
 def linear_gelu(x: Tensor, weight: Tensor, bias: Tensor | None = None,
                 approximate: str = "none") -> Tensor:
     """y = gelu(x @ weight.T + bias).  x: (..., K), weight: (N, K), bias: (N,) -> (..., N)."""
     check_approximate(approximate)
     check_tensor("x", x, min_ndim=1)
     x, weight, bias = autocast_cast(x, weight, bias)
-    _check_linear(x, weight, bias, "weight", "bias", x.shape[-1])
+    check_linear(x, weight, bias, "weight", "bias", x.shape[-1])
     if x.numel() == 0:
         return eager.linear_gelu(x, weight, bias, approximate)
     x2 = x.reshape(-1, x.shape[-1])
@@ -206,8 +189,8 @@ def fused_mlp(x: Tensor, fc_weight: Tensor, fc_bias: Tensor | None, proj_weight:
     check_tensor("x", x, min_ndim=1)
     x, fc_weight, fc_bias, proj_weight, proj_bias = autocast_cast(
         x, fc_weight, fc_bias, proj_weight, proj_bias)
-    _check_linear(x, fc_weight, fc_bias, "fc_weight", "fc_bias", x.shape[-1])
-    _check_linear(x, proj_weight, proj_bias, "proj_weight", "proj_bias", fc_weight.shape[0])
+    check_linear(x, fc_weight, fc_bias, "fc_weight", "fc_bias", x.shape[-1])
+    check_linear(x, proj_weight, proj_bias, "proj_weight", "proj_bias", fc_weight.shape[0])
     if x.numel() == 0:
         return eager.fused_mlp(x, fc_weight, fc_bias, proj_weight, proj_bias, approximate)
     x2 = x.reshape(-1, x.shape[-1])
