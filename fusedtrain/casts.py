@@ -3,7 +3,7 @@
 Under autocast each op casts its fp32 weight and bias to the autocast dtype, one small
 kernel per tensor per step, and autograd casts each gradient back with another: about 150
 launches a GPT-2 step for the fused ops' parameters alone (docs/perf-notes.md, thirteenth
-round). Inside `grouped_casts(*linears)` those parameters are cast once, all together, by
+round). Inside `grouped_casts(*params)` those parameters are cast once, all together, by
 one multi-tensor copy (one autograd node, whose backward turns all their gradients back
 in another), and the fused ops' autocast step (`prepared_cast`) picks the copies up. The
 values are the same bits either way: one rounding from fp32, and the exact widening back.
@@ -17,7 +17,6 @@ from contextvars import ContextVar
 from types import MappingProxyType
 
 import torch
-import torch.nn as nn
 
 # id(parameter) -> its cast copy, for the grouped_casts block being run. Ids are unique
 # among live objects, and the parameters outlive the block.
@@ -54,13 +53,14 @@ def autocast_dtype(t: torch.Tensor) -> torch.dtype | None:
 
 
 @contextmanager
-def grouped_casts(*linears: nn.Module) -> Iterator[None]:
-    """Within the block, the weights and biases of `linears` are cast to the autocast dtype
+def grouped_casts(*params: torch.Tensor | None) -> Iterator[None]:
+    """Within the block, `params` (None entries skipped) are cast to the autocast dtype
     once, together. Does nothing outside autocast, under torch.compile (Inductor fuses
     the casts itself) and for parameters already in that dtype (FSDP's mixed precision).
     Frozen parameters keep their own casts: in the group their copies would need
-    gradients, and the ops would compute them."""
-    params = [p for m in linears for p in (m.weight, m.bias) if p is not None]
+    gradients, and the ops would compute them. Every parameter given must be read
+    through `prepared_cast` in the block (a copy nobody reads would get no gradient)."""
+    params = [p for p in params if p is not None]
     dtype = autocast_dtype(params[0]) if params else None
     grads = torch.is_grad_enabled()
     params = [p for p in params if p.is_floating_point() and p.dtype != dtype

@@ -88,10 +88,11 @@ def layer_norm(
 
 def add_layer_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None,
-    bias: torch.Tensor | None, eps: float = 1e-5,
+    bias: torch.Tensor | None, eps: float = 1e-5, x_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """s = x + residual; returns (layer_norm(s), s).  x, residual: (..., C)."""
-    s = x + residual
+    """s = (x [+ x_bias]) + residual; returns (layer_norm(s), s).  x, residual: (..., C),
+    x_bias: (C,)."""
+    s = (x if x_bias is None else x + x_bias) + residual
     return layer_norm(s, weight, bias, eps), s
 
 

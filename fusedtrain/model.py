@@ -61,7 +61,11 @@ class Block(nn.Module):
 
     The sublayer output of the previous block arrives as `delta` and is added to
     the stream inside this block's first LayerNorm (fused as add_layer_norm);
-    this block's MLP output leaves as the next delta.
+    this block's MLP output leaves as the next delta. With the fused LayerNorm (and no
+    dropout between) the attention's output bias is added by the second LayerNorm, whose
+    backward then yields its gradient: one read of a (B, T, C) gradient less a block. The
+    MLP's output bias stays in the MLP: the next LayerNorm is another block's, which under
+    FSDP may not touch this block's parameters.
     """
 
     def __init__(self, cfg: GPTConfig):
@@ -74,16 +78,24 @@ class Block(nn.Module):
         self.ln_2 = ResidualLayerNorm(cfg.n_embd, k["layernorm"], cfg.bias)
         self.mlp = MLP(cfg.n_embd, k["mlp"], cfg.bias, cfg.gelu)
         self.drop = nn.Dropout(cfg.dropout)
-        # The Linears whose parameters the fused ops read, cast together each step.
-        self._fused_linears = ([self.attn.c_attn, self.attn.c_proj] if k["qkv"] else []) + (
+        self.attn_bias_in_ln = k["layernorm"] and cfg.dropout == 0.0 and cfg.bias
+        # The parameters that the fused ops read through prepared casts, cast together.
+        linears = ([self.attn.c_attn, self.attn.c_proj] if k["qkv"] else []) + (
             [self.mlp.c_fc, self.mlp.c_proj] if k["mlp"] else [])
+        in_ln = self.attn.c_proj.bias if self.attn_bias_in_ln else None
+        self._cast_params = [p for m in linears for p in (m.weight, m.bias)
+                             if p is not None and p is not in_ln]
 
     def forward(
         self, stream: torch.Tensor, delta: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        with grouped_casts(*self._fused_linears):
+        with grouped_casts(*self._cast_params):
             h, stream = self.ln_1(stream, delta)
-            h, stream = self.ln_2(stream, self.drop(self.attn(h)))
+            if self.attn_bias_in_ln:
+                h, stream = self.ln_2(stream, self.attn(h, out_bias=False),
+                                      self.attn.c_proj.bias)
+            else:
+                h, stream = self.ln_2(stream, self.drop(self.attn(h)))
             return stream, self.drop(self.mlp(h))
 
 

@@ -24,9 +24,10 @@ def _fused_ops():
 class ResidualLayerNorm(nn.Module):
     """LayerNorm of the residual stream, with the pending sublayer output added first.
 
-    forward(stream, delta) -> (layer_norm(stream + delta), stream + delta); with
-    delta=None it is a plain LayerNorm and the stream passes through.
-    stream, delta: (B, T, C).
+    forward(stream, delta, delta_bias) -> (layer_norm(s), s) with s = stream + (delta
+    [+ delta_bias]); with delta=None it is a plain LayerNorm and the stream passes through.
+    stream, delta: (B, T, C); delta_bias: (C,), the bias of the layer that made delta when
+    that layer left it out (see CausalSelfAttention.forward).
     """
 
     def __init__(self, n_embd: int, fused: bool, bias: bool = True, eps: float = 1e-5):
@@ -37,12 +38,13 @@ class ResidualLayerNorm(nn.Module):
         self.fused = fused
 
     def forward(
-        self, stream: torch.Tensor, delta: torch.Tensor | None = None
+        self, stream: torch.Tensor, delta: torch.Tensor | None = None,
+        delta_bias: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         impl = _fused_ops() if self.fused else eager
         if delta is None:
             return impl.layer_norm(stream, self.weight, self.bias, self.eps), stream
-        return impl.add_layer_norm(delta, stream, self.weight, self.bias, self.eps)
+        return impl.add_layer_norm(delta, stream, self.weight, self.bias, self.eps, delta_bias)
 
 
 class MLP(nn.Module):
@@ -87,7 +89,10 @@ class CausalSelfAttention(nn.Module):
         self.fused_attention = fused_attention
         self.eager_attention = eager_attention
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out_bias: bool = True) -> torch.Tensor:
+        """out_bias=False leaves c_proj's bias out, for the caller to add (the fused
+        add_layer_norm adds it, and its backward sums its gradient from the pass it makes
+        anyway)."""
         B, T, C = x.shape
         project = _fused_ops().qkv_projection if self.fused_qkv else eager.qkv_projection_packed
         q, k, v = project(x, self.c_attn.weight, self.c_attn.bias, self.n_head)
@@ -98,6 +103,7 @@ class CausalSelfAttention(nn.Module):
         else:
             y = eager.flash_attention(q, k, v, causal=True)
         y = y.transpose(1, 2).reshape(B, T, C)
+        bias = self.c_proj.bias if out_bias else None
         if self.fused_qkv:  # the projections' family: casts grouped, bias gradient fused
-            return _fused_ops().linear(y, self.c_proj.weight, self.c_proj.bias)
-        return self.c_proj(y)
+            return _fused_ops().linear(y, self.c_proj.weight, bias)
+        return F.linear(y, self.c_proj.weight, bias)

@@ -51,20 +51,21 @@ def test_grouped_casts_give_the_same_bits_with_one_cast_node_per_block(monkeypat
     for name, g in grads_ref.items():
         assert grads[name].dtype == torch.float32
         assert torch.equal(grads[name], g), name
-    # Per block: the QKV and output projections' weights and biases and the MLP's four
-    # tensors, no longer one cast each.
+    # Per block: the QKV projection's weight and bias, the output projection's weight (its
+    # bias is added in fp32 by the fused LayerNorm: no cast) and the MLP's four tensors,
+    # no longer one cast each.
     n_layer = model.config.n_layer
     assert nodes.count("_CastAllBackward") == n_layer
     assert nodes_ref.count("_CastAllBackward") == 0
-    assert nodes_ref.count("ToCopyBackward0") - nodes.count("ToCopyBackward0") == 8 * n_layer
+    assert nodes_ref.count("ToCopyBackward0") - nodes.count("ToCopyBackward0") == 7 * n_layer
 
 
 def test_grouped_casts_only_where_they_apply():
     lin = torch.nn.Linear(4, 3)
-    with grouped_casts(lin):  # no autocast: nothing prepared
+    with grouped_casts(lin.weight, lin.bias):  # no autocast: nothing prepared
         assert prepared_cast(lin.weight, torch.bfloat16) is not prepared_cast(
             lin.weight, torch.bfloat16)
-    with torch.autocast("cpu", dtype=torch.bfloat16), grouped_casts(lin):
+    with torch.autocast("cpu", dtype=torch.bfloat16), grouped_casts(lin.weight, lin.bias):
         w = prepared_cast(lin.weight, torch.bfloat16)
         assert w.dtype == torch.bfloat16 and w is prepared_cast(lin.weight, torch.bfloat16)
         assert prepared_cast(lin.weight, torch.float16).dtype == torch.float16  # other dtype
@@ -73,15 +74,16 @@ def test_grouped_casts_only_where_they_apply():
     # A frozen parameter keeps its own cast, which needs no gradient.
     frozen = torch.nn.Linear(4, 3)
     frozen.weight.requires_grad_(False)
-    with torch.autocast("cpu", dtype=torch.bfloat16), grouped_casts(frozen):
+    with torch.autocast("cpu", dtype=torch.bfloat16), grouped_casts(frozen.weight, frozen.bias):
         assert not prepared_cast(frozen.weight, torch.bfloat16).requires_grad
         assert prepared_cast(frozen.bias, torch.bfloat16).requires_grad
-        with torch.no_grad(), grouped_casts(frozen):  # no gradients: all may be grouped
+        # No gradients: all may be grouped.
+        with torch.no_grad(), grouped_casts(frozen.weight, frozen.bias):
             w = prepared_cast(frozen.weight, torch.bfloat16)
             assert w is prepared_cast(frozen.weight, torch.bfloat16)
     # Parameters already in the autocast dtype (FSDP's mixed precision) are not copied.
     lin_bf16 = torch.nn.Linear(4, 3).to(torch.bfloat16)
-    with torch.autocast("cpu", dtype=torch.bfloat16), grouped_casts(lin_bf16):
+    with torch.autocast("cpu", dtype=torch.bfloat16), grouped_casts(lin_bf16.weight, lin_bf16.bias):
         assert prepared_cast(lin_bf16.weight, torch.bfloat16) is lin_bf16.weight
 
 

@@ -31,6 +31,14 @@ def test_gradcheck_add_layer_norm():
     assert gradcheck(ops.add_layer_norm, (x, r, w, b), fast_mode=True)
 
 
+def test_gradcheck_add_layer_norm_with_x_bias():
+    """x_bias's gradient is the third row of the backward's partial sums."""
+    x, w, b = _inputs((3, 5, 13))
+    r, xb = (torch.randn(*s, dtype=F64, requires_grad=True) for s in ((3, 5, 13), (13,)))
+    assert gradcheck(lambda x, r, w, b, xb: ops.add_layer_norm(x, r, w, b, 1e-5, xb),
+                     (x, r, w, b, xb), fast_mode=True)
+
+
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
 def test_gradcheck_layer_norm_gelu(approximate):
     assert gradcheck(lambda *a: ops.layer_norm_gelu(*a, approximate=approximate),
@@ -44,6 +52,15 @@ def test_fp32_accuracy_large_mean(C, op):
     if op == "add_layer_norm":
         inputs.insert(1, torch.randn(37, C).requires_grad_())
     check_against_oracle(getattr(ops, op), getattr(eager, op), inputs, 1e-5, 1e-3, op)
+
+
+@pytest.mark.parametrize("C", [1023, 768])
+def test_fp32_add_layer_norm_with_x_bias(C):
+    x, w, b = _inputs((37, C), dtype=torch.float32, mean=10.0)
+    r, xb = torch.randn(37, C).requires_grad_(), torch.randn(C).requires_grad_()
+    check_against_oracle(lambda *a: ops.add_layer_norm(*a[:4], 1e-5, a[4]),
+                         lambda *a: eager.add_layer_norm(*a[:4], 1e-5, a[4]),
+                         [x, r, w, b, xb], 1e-5, 1e-3, "add_layer_norm x_bias")
 
 
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
@@ -94,7 +111,9 @@ def test_inference_writes_no_statistics(C, monkeypatch):
     w.requires_grad_()
     asked = []
     launcher = K.layer_norm_fwd
-    monkeypatch.setattr(K, "layer_norm_fwd", lambda *a: asked.append(a[-1]) or launcher(*a))
+    save_stats = 8  # the launcher's argument
+    monkeypatch.setattr(K, "layer_norm_fwd",
+                        lambda *a: asked.append(a[save_stats]) or launcher(*a))
     for fn, args in ((ops.layer_norm, (x, w, b)), (ops.add_layer_norm, (x, r, w, b)),
                      (ops.layer_norm_gelu, (x, w, b))):
         with_grad = fn(*args)
@@ -114,17 +133,21 @@ def test_add_layer_norm_mixed_dtypes_under_autocast():
     x = torch.randn(2, 37, 96).bfloat16().requires_grad_()
     r = torch.randn(2, 37, 96, requires_grad=True)
     w, b = (t.detach().float().requires_grad_() for t in _inputs((96,))[1:])
+    xb = torch.randn(96, requires_grad=True)  # the sublayer's fp32 bias, added here
     dy, ds = torch.randn(2, 37, 96), torch.randn(2, 37, 96)
     grads = {}
     for name, fn in (("fused", ops.add_layer_norm), ("eager", eager.add_layer_norm)):
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            y, s = fn(x, r, w, b)
+            y, s = fn(x, r, w, b, 1e-5, xb)
         assert s.dtype == torch.float32
-        grads[name] = torch.autograd.grad((y.float() * dy).sum() + (s * ds).sum(), (x, r))
-    (dx, dr), (dx_ref, dr_ref) = grads["fused"], grads["eager"]
+        grads[name] = torch.autograd.grad((y.float() * dy).sum() + (s * ds).sum(), (x, r, xb))
+    (dx, dr, dxb), (dx_ref, dr_ref, dxb_ref) = grads["fused"], grads["eager"]
     assert (dx.dtype, dr.dtype) == (dx_ref.dtype, dr_ref.dtype) == (torch.bfloat16,
                                                                     torch.float32)
     torch.testing.assert_close(dr, dr_ref, atol=1e-2, rtol=1e-2)
+    assert dxb.dtype == torch.float32
+    torch.testing.assert_close(dxb, dr.sum((0, 1)), atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(dxb, dxb_ref, atol=5e-2, rtol=1e-2)
     # One gradient in two dtypes: equal up to the last bf16 bit (Triton's interpreter
     # truncates where the GPU rounds to nearest).
     torch.testing.assert_close(dx.float(), dr, atol=0, rtol=2 ** -7)
@@ -159,6 +182,10 @@ def test_bad_inputs():
         ops.layer_norm(x, w.float(), b)
     with pytest.raises(ValueError, match="residual"):
         ops.add_layer_norm(x, x[:2], w, b)
+    with pytest.raises(ValueError, match="x_bias"):
+        ops.add_layer_norm(x, x, w, b, 1e-5, w[:5])
+    with pytest.raises(TypeError, match="x_bias"):
+        ops.add_layer_norm(x, x, w, b, 1e-5, w.float())
     with pytest.raises(ValueError, match="approximate"):
         ops.layer_norm_gelu(x, w, b, approximate="erf")
 
@@ -172,6 +199,28 @@ def test_gpu_bf16_accuracy(M, C, op):
     if op == "add_layer_norm":
         inputs.insert(1, torch.randn(M, C, device="cuda").bfloat16().requires_grad_())
     check_against_oracle(getattr(ops, op), getattr(eager, op), inputs, 1e-2, 1e-2, op)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,C", [(16384, 768), (1000, 1500)])
+def test_gpu_add_layer_norm_x_bias_under_autocast(M, C):
+    """The model's case: bf16 sublayer output, fp32 stream and fp32 x_bias (its gradient
+    summed in fp32 by the backward) within twice eager's error against fp64."""
+    x = torch.randn(M, C, device="cuda").bfloat16().requires_grad_()
+    r = torch.randn(M, C, device="cuda", requires_grad=True)
+    w, b = (t.detach().cuda().float().requires_grad_() for t in _inputs((C,))[1:])
+    xb = (0.1 * torch.randn(C, device="cuda")).requires_grad_()
+
+    def under_autocast(fn):
+        def run(*a):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                y, s = fn(*a[:4], 1e-5, a[4])
+            # The fused y is bf16 (the next GEMM's dtype), eager's fp32: compare like with
+            # like; the fp64 oracle stays fp64.
+            return y.to(torch.float64 if a[0].dtype == torch.float64 else torch.bfloat16), s
+        return run
+    check_against_oracle(under_autocast(ops.add_layer_norm), under_autocast(eager.add_layer_norm),
+                         [x, r, w, b, xb], 1e-2, 1e-2, "add_layer_norm x_bias autocast")
 
 
 @pytest.mark.gpu

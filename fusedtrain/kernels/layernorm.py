@@ -72,13 +72,17 @@ LOOP_CONFIGS = [triton.Config({**c.kwargs, "LOOP_STAGES": s}, num_warps=c.num_wa
 
 
 @device_fn
-def _input_tile(x_ptr, r_ptr, s_ptr, r_off, cols, mask, s_x, s_r, s_s,
-                HAS_RES: tl.constexpr, STORE_S: tl.constexpr, ACC: tl.constexpr,
-                EVICT: tl.constexpr):
-    """A (rows, cols) tile of the input, x + residual with HAS_RES (stored as the new
-    residual stream s if STORE_S). r_off: (rows, 1) row indices."""
+def _input_tile(x_ptr, xb_ptr, r_ptr, s_ptr, r_off, cols, col_ok, mask, s_x, s_r, s_s,
+                HAS_XB: tl.constexpr, HAS_RES: tl.constexpr, STORE_S: tl.constexpr,
+                ACC: tl.constexpr, EVICT: tl.constexpr):
+    """A (rows, cols) tile of the input, (x + x_bias) + residual with HAS_XB and HAS_RES
+    (stored as the new residual stream s if STORE_S). r_off: (rows, 1) row indices; col_ok:
+    cols < C; mask: the tile's."""
     x = tl.load(x_ptr + r_off * s_x + cols[None, :], mask=mask, other=0.0,
                 eviction_policy=EVICT).to(ACC)
+    if HAS_XB:  # the bias of the sublayer that made x, read by every program
+        x += tl.load(xb_ptr + cols, mask=col_ok, other=0.0,
+                     eviction_policy="evict_last").to(ACC)[None, :]
     if HAS_RES:
         x += tl.load(r_ptr + r_off * s_r + cols[None, :], mask=mask, other=0.0,
                      eviction_policy=EVICT).to(ACC)
@@ -117,10 +121,11 @@ def _affine_store(xhat, w_ptr, b_ptr, y_ptr, r_off, cols, col_ok, mask, s_y,
                  prune=_row_tiles, do_bench=graph_timed)
 @triton.jit
 def _ln_fwd_kernel(
-    x_ptr, r_ptr, w_ptr, b_ptr, y_ptr, s_ptr, mean_ptr, rstd_ptr, M, C, eps,
+    x_ptr, xb_ptr, r_ptr, w_ptr, b_ptr, y_ptr, s_ptr, mean_ptr, rstd_ptr, M, C, eps,
     s_x, s_r, s_y, s_s,
-    HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, GELU: tl.constexpr,
-    STATS: tl.constexpr, OFF64: tl.constexpr, EVICT: tl.constexpr, ACC: tl.constexpr,
+    HAS_XB: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+    GELU: tl.constexpr, STATS: tl.constexpr, OFF64: tl.constexpr, EVICT: tl.constexpr,
+    ACC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, N_CHUNKS: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -131,8 +136,8 @@ def _ln_fwd_kernel(
         cols = tl.arange(0, BLOCK_C)
         col_ok = cols < C
         mask = row_ok[:, None] & col_ok[None, :]
-        x = _input_tile(x_ptr, r_ptr, s_ptr, r_off, cols, mask, s_x, s_r, s_s,
-                        HAS_RES, True, ACC, EVICT)
+        x = _input_tile(x_ptr, xb_ptr, r_ptr, s_ptr, r_off, cols, col_ok, mask, s_x, s_r,
+                        s_s, HAS_XB, HAS_RES, True, ACC, EVICT)
         mean = row_sum(x, 1) / C
         xc = x - mean[:, None]  # -mean in padded columns: kept out of the variance alone
         rstd = _inv_sqrt(row_sum(tl.where(col_ok[None, :], xc * xc, 0.0), 1) / C + eps)
@@ -146,12 +151,12 @@ def _ln_fwd_kernel(
         c1, c2 = c0 + BLOCK_C, c0 + 2 * BLOCK_C
         col_ok = c0 < BLOCK_C  # all true: the helpers take masks, and no column is padded
         mask = row_ok[:, None] & col_ok[None, :]
-        x0 = _input_tile(x_ptr, r_ptr, s_ptr, r_off, c0, mask, s_x, s_r, s_s,
-                         HAS_RES, True, ACC, EVICT)
-        x1 = _input_tile(x_ptr, r_ptr, s_ptr, r_off, c1, mask, s_x, s_r, s_s,
-                         HAS_RES, True, ACC, EVICT)
-        x2 = _input_tile(x_ptr, r_ptr, s_ptr, r_off, c2, mask, s_x, s_r, s_s,
-                         HAS_RES, True, ACC, EVICT)
+        x0 = _input_tile(x_ptr, xb_ptr, r_ptr, s_ptr, r_off, c0, col_ok, mask, s_x, s_r,
+                         s_s, HAS_XB, HAS_RES, True, ACC, EVICT)
+        x1 = _input_tile(x_ptr, xb_ptr, r_ptr, s_ptr, r_off, c1, col_ok, mask, s_x, s_r,
+                         s_s, HAS_XB, HAS_RES, True, ACC, EVICT)
+        x2 = _input_tile(x_ptr, xb_ptr, r_ptr, s_ptr, r_off, c2, col_ok, mask, s_x, s_r,
+                         s_s, HAS_XB, HAS_RES, True, ACC, EVICT)
         # The chunks share one layout: add them lane by lane, then reduce across lanes
         # once (a third of the shuffles and barriers of three reductions).
         mean = row_sum(x0 + x1 + x2, 1) / C
@@ -171,9 +176,10 @@ def _ln_fwd_kernel(
         m2 = tl.full((BLOCK_M,), 0.0, ACC)
         for j in tl.static_range(N_CHUNKS):
             cols = j * BLOCK_C + tl.arange(0, BLOCK_C)
-            mask = row_ok[:, None] & (cols < C)[None, :]
-            x = _input_tile(x_ptr, r_ptr, s_ptr, r_off, cols, mask, s_x, s_r, s_s,
-                            HAS_RES, True, ACC, EVICT)
+            col_ok = cols < C
+            mask = row_ok[:, None] & col_ok[None, :]
+            x = _input_tile(x_ptr, xb_ptr, r_ptr, s_ptr, r_off, cols, col_ok, mask, s_x, s_r,
+                            s_s, HAS_XB, HAS_RES, True, ACC, EVICT)
             chunk_mean = row_sum(x, 1) / BLOCK_C
             d = x - chunk_mean[:, None]
             delta = chunk_mean - mean
@@ -184,8 +190,8 @@ def _ln_fwd_kernel(
             cols = j * BLOCK_C + tl.arange(0, BLOCK_C)
             col_ok = cols < C
             mask = row_ok[:, None] & col_ok[None, :]
-            x = _input_tile(x_ptr, r_ptr, s_ptr, r_off, cols, mask, s_x, s_r, s_s,
-                            HAS_RES, False, ACC, EVICT)
+            x = _input_tile(x_ptr, xb_ptr, r_ptr, s_ptr, r_off, cols, col_ok, mask, s_x, s_r,
+                            s_s, HAS_XB, HAS_RES, False, ACC, EVICT)
             _affine_store((x - mean[:, None]) * rstd[:, None], w_ptr, b_ptr, y_ptr, r_off,
                           cols, col_ok, mask, s_y, HAS_W, HAS_B, GELU, ACC)
     if STATS:  # only when a backward will read them (inference writes y alone)
@@ -193,14 +199,15 @@ def _ln_fwd_kernel(
         tl.store(rstd_ptr + rows, rstd.to(rstd_ptr.dtype.element_ty), mask=row_ok)
 
 
-@cached_autotune(LOOP_CONFIGS, key=["C", "HAS_DS", "HAS_DX2", "GELU"], prune=_row_tiles,
+@cached_autotune(LOOP_CONFIGS, key=["C", "HAS_DS", "HAS_DX2", "DX_SUMS", "GELU"],
+                 prune=_row_tiles,
                  do_bench=graph_timed)
 @triton.jit
 def _ln_bwd_kernel(
     dy_ptr, x_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, ds_ptr, dx_ptr, dx2_ptr, part_ptr,
     M, C, s_dy, s_x, s_ds, s_dx, s_dx2,
     HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_DS: tl.constexpr, HAS_DX2: tl.constexpr,
-    GELU: tl.constexpr,
+    DX_SUMS: tl.constexpr, GELU: tl.constexpr,
     ACC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
     LOOP_STAGES: tl.constexpr,
 ):
@@ -216,6 +223,7 @@ def _ln_bwd_kernel(
         b = tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(ACC)
     dw_acc = tl.full((BLOCK_C,), 0.0, ACC)
     db_acc = tl.full((BLOCK_C,), 0.0, ACC)
+    dx_acc = tl.full((BLOCK_C,), 0.0, ACC)
     for start in tl.range(pid * BLOCK_M, M, n_progs * BLOCK_M, num_stages=LOOP_STAGES):
         rows = start + tl.arange(0, BLOCK_M)
         row_ok = rows < M
@@ -236,13 +244,18 @@ def _ln_bwd_kernel(
         dx = (wdy - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
         if HAS_DS:  # gradient reaching the residual-stream output s directly
             dx += tl.load(ds_ptr + r64 * s_ds + cols[None, :], mask=mask, other=0.0).to(ACC)
+        if DX_SUMS:  # the gradient of add_layer_norm's x_bias: dx's column sums
+            dx_acc += row_sum(dx, 0)
         tl.store(dx_ptr + r64 * s_dx + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
         if HAS_DX2:  # the same gradient in a second dtype (add_layer_norm's two inputs)
             tl.store(dx2_ptr + r64 * s_dx2 + cols[None, :], dx.to(dx2_ptr.dtype.element_ty),
                      mask=mask)
-    # This program's row of the (G, 2, C) partials: [dW part, db part].
-    tl.store(part_ptr + pid * 2 * C + cols, dw_acc, mask=col_ok)
-    tl.store(part_ptr + pid * 2 * C + C + cols, db_acc, mask=col_ok)
+    # This program's row of the (G, 2 or 3, C) partials: [dW part, db part(, dx part)].
+    row = part_ptr + pid * (2 + DX_SUMS) * C + cols
+    tl.store(row, dw_acc, mask=col_ok)
+    tl.store(row + C, db_acc, mask=col_ok)
+    if DX_SUMS:
+        tl.store(row + 2 * C, dx_acc, mask=col_ok)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -275,11 +288,13 @@ def _gelu_code(approximate: str | None, out: torch.Tensor) -> int:
 
 def layer_norm_fwd(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None,
                    bias: torch.Tensor | None, eps: float, approximate: str | None,
-                   out_dtype: torch.dtype, stream_dtype: torch.dtype, save_stats: bool = True):
-    """x, residual: (..., C). Returns (y, s, mean, rstd): y = [gelu](LN(x [+ residual])) in
-    out_dtype, s = x + residual in stream_dtype (an empty tensor without residual), and the
-    per-row statistics (M,) in fp32 (fp64 for fp64 x); empty (0,) tensors instead of the
-    statistics unless save_stats (only a backward reads them)."""
+                   out_dtype: torch.dtype, stream_dtype: torch.dtype, save_stats: bool = True,
+                   x_bias: torch.Tensor | None = None):
+    """x, residual: (..., C), x_bias: (C,). Returns (y, s, mean, rstd): y =
+    [gelu](LN(x [+ x_bias] [+ residual])) in out_dtype, s = x [+ x_bias] + residual in
+    stream_dtype (an empty tensor without residual), and the per-row statistics (M,) in
+    fp32 (fp64 for fp64 x); empty (0,) tensors instead of the statistics unless save_stats
+    (only a backward reads them)."""
     C = x.shape[-1]
     x2 = _rows(x)
     M = x2.shape[0]
@@ -291,10 +306,11 @@ def layer_norm_fwd(x: torch.Tensor, residual: torch.Tensor | None, weight: torch
                     dtype=stream_dtype)
     strides = (x2.stride(0), r2.stride(0), y.stride(0), s.stride(0) if residual is not None else 0)
     _ln_fwd_kernel[lambda meta: (triton.cdiv(M, meta["BLOCK_M"]),)](
-        x2, r2, weight if weight is not None else x2, bias if bias is not None else x2,
-        y, s if residual is not None else y, mean, rstd, M, C, eps, *strides,
-        HAS_RES=residual is not None, HAS_W=weight is not None, HAS_B=bias is not None,
-        GELU=_gelu_code(approximate, y), STATS=save_stats,
+        x2, x_bias if x_bias is not None else x2, r2, weight if weight is not None else x2,
+        bias if bias is not None else x2, y, s if residual is not None else y, mean, rstd,
+        M, C, eps, *strides, HAS_XB=x_bias is not None, HAS_RES=residual is not None,
+        HAS_W=weight is not None, HAS_B=bias is not None, GELU=_gelu_code(approximate, y),
+        STATS=save_stats,
         OFF64=M * max(strides) + C >= 2**31,
         # Measured on an H200 at 16384 x 768 (ninth round of docs/perf-notes.md): evicting
         # the rows first helps LayerNorm (14.5 vs 15.7 us) and hurts the residual form,
@@ -320,13 +336,14 @@ def _num_programs(M: int, block_c: int, device: torch.device) -> int:
 def layer_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None,
                    bias: torch.Tensor | None, mean: torch.Tensor, rstd: torch.Tensor,
                    ds: torch.Tensor | None, approximate: str | None, dx_dtype: torch.dtype,
-                   dx2_dtype: torch.dtype | None = None):
+                   dx2_dtype: torch.dtype | None = None, dx_sums: bool = False):
     """Gradients of y = [gelu](LN(x)) w.r.t. x (plus ds, the gradient that reached the
     residual stream output, if given), weight and bias. x is the normalised input (s for
     add_layer_norm). Returns (dx, dx2, sums): dx2 is dx again in dx2_dtype, written by the
     same pass (None if not asked: add_layer_norm's two inputs may differ in dtype, and a
     separate cast would re-read dx); sums (2, C) holds the fp32 dW and db sums (each
-    meaningful only if that parameter exists), reduced together in one launch."""
+    meaningful only if that parameter exists), reduced together in one launch, and with
+    dx_sums a third row, dx's column sums (add_layer_norm's x_bias gradient)."""
     C = x.shape[-1]
     x2, dy2 = _rows(x), _rows(dy)
     ds2 = _rows(ds) if ds is not None else dy2
@@ -336,14 +353,15 @@ def layer_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | Non
     block_c = triton.next_power_of_2(C)
     G = _num_programs(M, block_c, x.device)
     part_dtype = stat_dtype(x)
-    parts = torch.empty((G, 2, C), device=x.device, dtype=part_dtype)
+    n_sums = 3 if dx_sums else 2
+    parts = torch.empty((G, n_sums, C), device=x.device, dtype=part_dtype)
     _ln_bwd_kernel[(G,)](
         dy2, x2, weight if weight is not None else x2, bias if bias is not None else x2,
         mean, rstd, ds2, dx, dx if dx2 is None else dx2, parts, M, C,
         dy2.stride(0), x2.stride(0), ds2.stride(0), dx.stride(0), dx.stride(0),
         HAS_W=weight is not None, HAS_B=bias is not None, HAS_DS=ds is not None,
-        HAS_DX2=dx2 is not None, GELU=_gelu_code(approximate, dx), ACC=acc_dtype(x),
-        BLOCK_C=block_c,
+        HAS_DX2=dx2 is not None, DX_SUMS=dx_sums, GELU=_gelu_code(approximate, dx),
+        ACC=acc_dtype(x), BLOCK_C=block_c,
     )
-    sums = bias_grad(parts.view(G, 2 * C)).view(2, C)
+    sums = bias_grad(parts.view(G, n_sums * C)).view(n_sums, C)
     return dx.view(x.shape), None if dx2 is None else dx2.view(x.shape), sums

@@ -28,14 +28,15 @@ Tensor = torch.Tensor
 @launcher("layer_norm_fwd")
 def _layer_norm_fwd(x: Tensor, residual: Tensor | None, weight: Tensor | None,
                     bias: Tensor | None, eps: float, approximate: str, out_dtype: torch.dtype,
-                    stream_dtype: torch.dtype, save_stats: bool
+                    stream_dtype: torch.dtype, save_stats: bool, x_bias: Tensor | None = None
                     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return K.layer_norm_fwd(x, residual, weight, bias, eps, approximate or None, out_dtype,
-                            stream_dtype, save_stats)
+                            stream_dtype, save_stats, x_bias)
 
 
 @_layer_norm_fwd.register_fake
-def _(x, residual, weight, bias, eps, approximate, out_dtype, stream_dtype, save_stats):
+def _(x, residual, weight, bias, eps, approximate, out_dtype, stream_dtype, save_stats,
+      x_bias=None):
     M = x.numel() // x.shape[-1] if save_stats else 0
     stat = stat_dtype(x)
     s_shape = x.shape if residual is not None else (0, x.shape[-1])
@@ -46,17 +47,18 @@ def _(x, residual, weight, bias, eps, approximate, out_dtype, stream_dtype, save
 @launcher("layer_norm_bwd")
 def _layer_norm_bwd(dy: Tensor, x: Tensor, weight: Tensor | None, bias: Tensor | None,
                     mean: Tensor, rstd: Tensor, ds: Tensor | None, approximate: str,
-                    dx_dtype: torch.dtype, dx2_dtype: torch.dtype | None) -> list[Tensor]:
+                    dx_dtype: torch.dtype, dx2_dtype: torch.dtype | None,
+                    dx_sums: bool = False) -> list[Tensor]:
     """[dx, sums] or, with dx2_dtype, [dx, sums, dx in dx2_dtype] (see K.layer_norm_bwd)."""
     dx, dx2, sums = K.layer_norm_bwd(dy, x, weight, bias, mean, rstd, ds, approximate or None,
-                                     dx_dtype, dx2_dtype)
+                                     dx_dtype, dx2_dtype, dx_sums)
     return [dx, sums] if dx2 is None else [dx, sums, dx2]
 
 
 @_layer_norm_bwd.register_fake
-def _(dy, x, weight, bias, mean, rstd, ds, approximate, dx_dtype, dx2_dtype):
-    grads = [x.new_empty(x.shape, dtype=dx_dtype), x.new_empty((2, x.shape[-1]),
-                                                               dtype=mean.dtype)]
+def _(dy, x, weight, bias, mean, rstd, ds, approximate, dx_dtype, dx2_dtype, dx_sums=False):
+    grads = [x.new_empty(x.shape, dtype=dx_dtype),
+             x.new_empty((3 if dx_sums else 2, x.shape[-1]), dtype=mean.dtype)]
     return grads if dx2_dtype is None else [*grads, x.new_empty(x.shape, dtype=dx2_dtype)]
 
 
@@ -87,32 +89,36 @@ class LayerNormFunction(torch.autograd.Function):
 
 
 class AddLayerNormFunction(torch.autograd.Function):
-    """(layer_norm(x + residual), x + residual) in one pass; saves s = x + residual."""
+    """(layer_norm(s), s) with s = (x [+ x_bias]) + residual, in one pass; saves s."""
 
     @staticmethod
     def forward(ctx, x, residual, weight, bias, eps: float, out_dtype: torch.dtype,
-                save_stats: bool):
+                save_stats: bool, x_bias):
         stream_dtype = torch.promote_types(x.dtype, residual.dtype)
+        if x_bias is not None:
+            stream_dtype = torch.promote_types(stream_dtype, x_bias.dtype)
         y, s, mean, rstd = _layer_norm_fwd(
-            x, residual, weight, bias, eps, "", out_dtype, stream_dtype, save_stats)
+            x, residual, weight, bias, eps, "", out_dtype, stream_dtype, save_stats, x_bias)
         ctx.save_for_backward(s, weight, bias, mean, rstd)
-        ctx.dtypes = (x.dtype, residual.dtype)
+        ctx.dtypes = (x.dtype, residual.dtype, None if x_bias is None else x_bias.dtype)
         return y, s
 
     @staticmethod
     def backward(ctx, dy, ds):
         s, weight, bias, mean, rstd = ctx.saved_tensors
-        x_dtype, res_dtype = ctx.dtypes
-        # d/dx = d/dresidual: one gradient, written in each input's dtype by the one pass.
+        x_dtype, res_dtype, xb_dtype = ctx.dtypes
+        # d/dx = d/dresidual: one gradient, written in each input's dtype by the one pass;
+        # d/dx_bias its column sums, from the same pass.
         grads = _layer_norm_bwd(dy, s, weight, bias, mean, rstd, ds, "", res_dtype,
-                                None if x_dtype == res_dtype else x_dtype)
+                                None if x_dtype == res_dtype else x_dtype, xb_dtype is not None)
         dres, sums = grads[:2]
         dx = grads[2] if len(grads) == 3 else dres
-        return (dx, dres, *_param_grads(sums, weight, bias), None, None, None)
+        dxb = None if xb_dtype is None else sums[2].to(xb_dtype)
+        return (dx, dres, *_param_grads(sums, weight, bias), None, None, None, dxb)
 
 
 def _check(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float,
-           residual: Tensor | None = None) -> torch.dtype:
+           residual: Tensor | None = None, x_bias: Tensor | None = None) -> torch.dtype:
     """Validate; return the output dtype (the autocast dtype under autocast)."""
     check_tensor("x", x, min_ndim=1)
     C = x.shape[-1]
@@ -120,14 +126,14 @@ def _check(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float,
         raise ValueError(f"x's last dimension {C} exceeds the supported maximum {K.MAX_C}")
     if not eps > 0:
         raise ValueError(f"eps must be positive, got {eps}")
-    named = {"residual": residual, "weight": weight, "bias": bias}
+    named = {"residual": residual, "weight": weight, "bias": bias, "x_bias": x_bias}
     for name, t in named.items():
         if t is not None:
             check_tensor(name, t)
     if residual is not None and residual.shape != x.shape:
         raise ValueError(f"residual has shape {tuple(residual.shape)} but x has "
                          f"{tuple(x.shape)}")
-    for name in ("weight", "bias"):
+    for name in ("weight", "bias", "x_bias"):
         t = named[name]
         if t is not None and tuple(t.shape) != (C,):
             raise ValueError(f"{name} has shape {tuple(t.shape)}, expected ({C},)")
@@ -152,16 +158,20 @@ def layer_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None,
 
 
 def add_layer_norm(x: Tensor, residual: Tensor, weight: Tensor | None, bias: Tensor | None,
-                   eps: float = 1e-5) -> tuple[Tensor, Tensor]:
-    """s = x + residual; returns (layer_norm(s), s) in one pass.  x, residual: (..., C)."""
+                   eps: float = 1e-5, x_bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """s = (x [+ x_bias]) + residual; returns (layer_norm(s), s) in one pass.
+    x, residual: (..., C); x_bias: (C,), the bias of the layer that made x, added here so
+    that its gradient comes from this op's backward pass (dx's column sums) instead of a
+    separate read of dx."""
     if residual is None:
         raise ValueError("residual must be a tensor; use layer_norm without one")
-    out_dtype = _check(x, weight, bias, eps, residual)
+    out_dtype = _check(x, weight, bias, eps, residual, x_bias)
     if x.numel() == 0:
-        y, s = eager.add_layer_norm(x, residual, weight, bias, eps)
+        y, s = eager.add_layer_norm(x, residual, weight, bias, eps, x_bias)
         return y.to(out_dtype), s
     return AddLayerNormFunction.apply(x, residual, weight, bias, eps, out_dtype,
-                                      backward_wanted(x, residual, weight, bias))
+                                      backward_wanted(x, residual, weight, bias, x_bias),
+                                      x_bias)
 
 
 def layer_norm_gelu(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float = 1e-5,
