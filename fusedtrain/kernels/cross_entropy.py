@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from fusedtrain.kernels import INTERPRET
-from fusedtrain.kernels._common import acc_dtype, row_max, row_sum, stat_dtype
+from fusedtrain.kernels._common import acc_dtype, device_fn, row_max, row_sum, sm_count, stat_dtype
 
 BLOCK_V = 1024 if INTERPRET else 4096
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -28,12 +28,9 @@ LOG2E = tl.constexpr(1.4426950408889634)
 _FWD_BLOCK_V, _FWD_WARPS = 2048, 4
 
 
-@triton.jit
-def _ce_fwd_kernel(logits_ptr, target_ptr, loss_ptr, lse_ptr, V, s_row, ignore_index,
-                   ACC: tl.constexpr, BLOCK_V: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    base = logits_ptr + row * s_row
-    cols = tl.arange(0, BLOCK_V)
+@device_fn
+def _row_logsumexp(base, V, cols, ACC: tl.constexpr, BLOCK_V: tl.constexpr):
+    """ln sum exp of the V logits at `base`, read once in chunks of BLOCK_V (cols)."""
     # Online logsumexp in base 2: m, the running maximum of x log2(e) (one reduction
     # across lanes a chunk), and per lane l, the sum of 2^(x log2(e) - m): an exp2 and a
     # multiply-add per element. (A maximum kept per lane instead needs no reduction in
@@ -47,31 +44,70 @@ def _ce_fwd_kernel(logits_ptr, target_ptr, loss_ptr, lse_ptr, V, s_row, ignore_i
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # only -inf so far
         l = l * tl.exp2(m - m_safe) + tl.exp2(x - m_safe)
         m = m_new
-    lse = (m + tl.log2(row_sum(l, 0))) / LOG2E
-    target = tl.load(target_ptr + row)
+    return (m + tl.log2(row_sum(l, 0))) / LOG2E
+
+
+@device_fn
+def _store_row_loss(base, target, lse, loss_ptr, lse_ptr, row, V, ignore_index):
+    """The row's loss lse - x[target] (0 if ignored, NaN for a target outside [0, V))."""
     in_range = (target >= 0) & (target < V)
-    x_t = tl.load(base + tl.where(in_range, target, 0)).to(ACC)
-    # an ignored row adds 0; a target outside [0, V) gives NaN rather than a stray read
+    x_t = tl.load(base + tl.where(in_range, target, 0)).to(lse.dtype)
     loss = tl.where(in_range, lse - x_t, float("nan"))
     tl.store(loss_ptr + row, tl.where(target == ignore_index, 0.0, loss))
     tl.store(lse_ptr + row, lse)
+
+
+@device_fn
+def _store_row_grad(src, dst, V, cols, target, lse, g, ACC: tl.constexpr,
+                    BLOCK_V: tl.constexpr):
+    """dst[j] = (softmax(src)[j] - [j == target]) * g over the row, chunk by chunk; src
+    and dst may be the same row (each chunk is read before it is written)."""
+    for start in range(0, V, BLOCK_V):
+        idx = start + cols
+        ok = idx < V
+        x = tl.load(src + idx, mask=ok, other=0.0).to(ACC)
+        d = (tl.exp2((x - lse) * LOG2E) - tl.where(idx == target, 1.0, 0.0)) * g
+        tl.store(dst + idx, d.to(dst.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _ce_fwd_kernel(logits_ptr, target_ptr, loss_ptr, lse_ptr, V, s_row, ignore_index,
+                   ACC: tl.constexpr, BLOCK_V: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    base = logits_ptr + row * s_row
+    lse = _row_logsumexp(base, V, tl.arange(0, BLOCK_V), ACC, BLOCK_V)
+    _store_row_loss(base, tl.load(target_ptr + row), lse, loss_ptr, lse_ptr, row, V,
+                    ignore_index)
 
 
 @triton.jit
 def _ce_bwd_kernel(logits_ptr, target_ptr, lse_ptr, g_ptr, dlogits_ptr, V, s_row, s_drow,
                    ignore_index, ACC: tl.constexpr, BLOCK_V: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK_V)
     target = tl.load(target_ptr + row)
-    lse = tl.load(lse_ptr + row)
     # g: the loss gradient per row (d mean / d row loss), zero for ignored rows
     g = tl.where(target != ignore_index, tl.load(g_ptr).to(ACC), 0.0)
-    for start in range(0, V, BLOCK_V):
-        idx = start + cols
-        ok = idx < V
-        x = tl.load(logits_ptr + row * s_row + idx, mask=ok, other=0.0).to(ACC)
-        d = (tl.exp(x - lse) - tl.where(idx == target, 1.0, 0.0)) * g
-        tl.store(dlogits_ptr + row * s_drow + idx, d.to(dlogits_ptr.dtype.element_ty), mask=ok)
+    _store_row_grad(logits_ptr + row * s_row, dlogits_ptr + row * s_drow, V,
+                    tl.arange(0, BLOCK_V), target, tl.load(lse_ptr + row), g, ACC, BLOCK_V)
+
+
+@triton.jit
+def _ce_fwd_grad_kernel(logits_ptr, target_ptr, loss_ptr, lse_ptr, g_ptr, M, V, s_row,
+                        ignore_index, ACC: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Loss and gradient in one kernel, the gradient over the logits: a few rows in flight
+    per SM (a persistent grid walking rows), so that the gradient's second read of a row
+    finds it still in L2."""
+    cols = tl.arange(0, BLOCK_V)
+    g_all = tl.load(g_ptr).to(ACC)
+    base = logits_ptr + tl.program_id(0).to(tl.int64) * s_row
+    step = tl.num_programs(0).to(tl.int64) * s_row
+    for row in range(tl.program_id(0), M, tl.num_programs(0)):
+        target = tl.load(target_ptr + row)
+        lse = _row_logsumexp(base, V, cols, ACC, BLOCK_V)
+        _store_row_loss(base, target, lse, loss_ptr, lse_ptr, row, V, ignore_index)
+        g = tl.where(target != ignore_index, g_all, 0.0)
+        _store_row_grad(base, base, V, cols, target, lse, g, ACC, BLOCK_V)
+        base += step
 
 
 def cross_entropy_fwd(logits: torch.Tensor, targets: torch.Tensor,
@@ -99,3 +135,19 @@ def cross_entropy_bwd(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Te
                          dlogits.stride(0), ignore_index, ACC=acc_dtype(logits),
                          BLOCK_V=BLOCK_V, num_warps=8)
     return dlogits
+
+
+def cross_entropy_fwd_grad(logits: torch.Tensor, targets: torch.Tensor, g: torch.Tensor,
+                           ignore_index: int, block_v: int = 4096, warps: int = 8,
+                           per_sm: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss per row, lse per row) as cross_entropy_fwd, and the gradient for a loss
+    gradient of g (one element) per non-ignored row written over the logits."""
+    M, V = logits.shape
+    loss = torch.empty(M, device=logits.device, dtype=stat_dtype(logits))
+    lse = torch.empty_like(loss)
+    programs = min(M, 4 if INTERPRET else per_sm * sm_count(logits.device))
+    _ce_fwd_grad_kernel[(programs,)](logits, targets, loss, lse, g, M, V, logits.stride(0),
+                                     ignore_index, ACC=acc_dtype(logits),
+                                     BLOCK_V=BLOCK_V if INTERPRET else block_v,
+                                     num_warps=warps)
+    return loss, lse
