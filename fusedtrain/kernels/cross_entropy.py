@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from fusedtrain.kernels import INTERPRET
-from fusedtrain.kernels._common import acc_dtype, device_fn, row_max, row_sum, sm_count, stat_dtype
+from fusedtrain.kernels._common import acc_dtype, device_fn, row_max, row_sum, stat_dtype
 
 BLOCK_V = 1024 if INTERPRET else 4096
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -91,25 +91,6 @@ def _ce_bwd_kernel(logits_ptr, target_ptr, lse_ptr, g_ptr, dlogits_ptr, V, s_row
                     tl.arange(0, BLOCK_V), target, tl.load(lse_ptr + row), g, ACC, BLOCK_V)
 
 
-@triton.jit
-def _ce_fwd_grad_kernel(logits_ptr, target_ptr, loss_ptr, lse_ptr, g_ptr, M, V, s_row,
-                        ignore_index, ACC: tl.constexpr, BLOCK_V: tl.constexpr):
-    """Loss and gradient in one kernel, the gradient over the logits: a few rows in flight
-    per SM (a persistent grid walking rows), so that the gradient's second read of a row
-    finds it still in L2."""
-    cols = tl.arange(0, BLOCK_V)
-    g_all = tl.load(g_ptr).to(ACC)
-    base = logits_ptr + tl.program_id(0).to(tl.int64) * s_row
-    step = tl.num_programs(0).to(tl.int64) * s_row
-    for row in range(tl.program_id(0), M, tl.num_programs(0)):
-        target = tl.load(target_ptr + row)
-        lse = _row_logsumexp(base, V, cols, ACC, BLOCK_V)
-        _store_row_loss(base, target, lse, loss_ptr, lse_ptr, row, V, ignore_index)
-        g = tl.where(target != ignore_index, g_all, 0.0)
-        _store_row_grad(base, base, V, cols, target, lse, g, ACC, BLOCK_V)
-        base += step
-
-
 def cross_entropy_fwd(logits: torch.Tensor, targets: torch.Tensor,
                       ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
     """logits: (M, V) with unit column stride, targets: (M,) int64 ->
@@ -136,18 +117,3 @@ def cross_entropy_bwd(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Te
                          BLOCK_V=BLOCK_V, num_warps=8)
     return dlogits
 
-
-def cross_entropy_fwd_grad(logits: torch.Tensor, targets: torch.Tensor, g: torch.Tensor,
-                           ignore_index: int, block_v: int = 4096, warps: int = 8,
-                           per_sm: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss per row, lse per row) as cross_entropy_fwd, and the gradient for a loss
-    gradient of g (one element) per non-ignored row written over the logits."""
-    M, V = logits.shape
-    loss = torch.empty(M, device=logits.device, dtype=stat_dtype(logits))
-    lse = torch.empty_like(loss)
-    programs = min(M, 4 if INTERPRET else per_sm * sm_count(logits.device))
-    _ce_fwd_grad_kernel[(programs,)](logits, targets, loss, lse, g, M, V, logits.stride(0),
-                                     ignore_index, ACC=acc_dtype(logits),
-                                     BLOCK_V=BLOCK_V if INTERPRET else block_v,
-                                     num_warps=warps)
-    return loss, lse
