@@ -77,10 +77,14 @@ def grouped_casts(*params: torch.Tensor | None) -> Iterator[None]:
         _PREPARED.reset(token)
 
 
+def has_prepared_cast(t: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether grouped_casts holds a copy of t in `dtype` (prepared_cast would return it)."""
+    if torch.compiler.is_compiling():
+        return False
+    copy = _PREPARED.get().get(id(t))
+    return copy is not None and copy.dtype == dtype
+
+
 def prepared_cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """t in `dtype`: its grouped_casts copy when there is one, else t.to(dtype)."""
-    if not torch.compiler.is_compiling():
-        copy = _PREPARED.get().get(id(t))
-        if copy is not None and copy.dtype == dtype:
-            return copy
-    return t.to(dtype)
+    return _PREPARED.get()[id(t)] if has_prepared_cast(t, dtype) else t.to(dtype)

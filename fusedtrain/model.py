@@ -146,7 +146,13 @@ class GPT(nn.Module):
     def logits(self, stream: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
         """The last block's stream and delta (B, T, C) -> logits (B, T, vocab_size)."""
         x, _ = self.transformer.ln_f(stream, delta)
-        return F.linear(x, self.transformer.wte.weight)  # head tied to the token embedding
+        wte = self.transformer.wte.weight  # the head is tied to the token embedding
+        if self.config.kernels["embedding"]:
+            from fusedtrain import ops
+
+            # Under autocast its fp32 gradient comes from the GEMM, not widened after it.
+            return ops.linear(x, wte)
+        return F.linear(x, wte)
 
     def head_loss(self, stream: torch.Tensor, delta: torch.Tensor | None,
                   targets: torch.Tensor) -> torch.Tensor:

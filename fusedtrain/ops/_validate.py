@@ -38,23 +38,24 @@ def check_tensor(name: str, t, *, ndim: int | None = None, min_ndim: int | None 
         )
 
 
-def check_same(ref_name: str, ref: torch.Tensor, **others: torch.Tensor | None) -> None:
-    """Every given tensor has ref's dtype and device."""
+def check_same(ref_name: str, ref: torch.Tensor, same_dtype: bool = True,
+               **others: torch.Tensor | None) -> None:
+    """Every given tensor has ref's device and (with same_dtype) dtype."""
     for name, t in others.items():
         if t is None:
             continue
         if t.device != ref.device:
             raise ValueError(f"{name} is on {t.device} but {ref_name} is on {ref.device}")
-        if t.dtype != ref.dtype:
+        if same_dtype and t.dtype != ref.dtype:
             raise TypeError(f"{name} has dtype {t.dtype} but {ref_name} has {ref.dtype}")
 
 
 def check_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                 wname: str, bname: str, in_features: int) -> None:
-    """weight (N, in_features) and bias (N,) (or None) of a linear layer fed x, all of
-    x's dtype and device; errors name the argument."""
+                 wname: str, bname: str, in_features: int, same_dtype: bool = True) -> None:
+    """weight (N, in_features) and bias (N,) (or None) of a linear layer fed x, all on
+    x's device and (with same_dtype) of its dtype; errors name the argument."""
     check_tensor(wname, weight, ndim=2)
-    check_same("x", x, **{wname: weight, bname: bias})
+    check_same("x", x, same_dtype, **{wname: weight, bname: bias})
     if weight.shape[1] != in_features:
         raise ValueError(
             f"{wname} has shape {tuple(weight.shape)}: expected (N, {in_features}) to match "
