@@ -61,11 +61,14 @@ class Block(nn.Module):
 
     The sublayer output of the previous block arrives as `delta` and is added to
     the stream inside this block's first LayerNorm (fused as add_layer_norm);
-    this block's MLP output leaves as the next delta. With the fused LayerNorm (and no
-    dropout between) the attention's output bias is added by the second LayerNorm, whose
-    backward then yields its gradient: one read of a (B, T, C) gradient less a block. The
-    MLP's output bias stays in the MLP: the next LayerNorm is another block's, which under
-    FSDP may not touch this block's parameters.
+    this block's MLP output leaves as the next delta.
+
+    With the fused LayerNorm and no dropout (`biases_in_ln`), the two output projections
+    leave their biases out and the next LayerNorm adds each (add_layer_norm's x_bias),
+    whose backward pass then sums its gradient from the gradient it writes anyway: no
+    separate read of a (B, T, C) gradient for either bias. The MLP's bias leaves the block
+    as `delta_bias`, a copy: the next block may be another FSDP unit, which must not read
+    this one's (resharded) parameters; the copy's gradient flows back into this block.
     """
 
     def __init__(self, cfg: GPTConfig):
@@ -78,25 +81,28 @@ class Block(nn.Module):
         self.ln_2 = ResidualLayerNorm(cfg.n_embd, k["layernorm"], cfg.bias)
         self.mlp = MLP(cfg.n_embd, k["mlp"], cfg.bias, cfg.gelu)
         self.drop = nn.Dropout(cfg.dropout)
-        self.attn_bias_in_ln = k["layernorm"] and cfg.dropout == 0.0 and cfg.bias
+        self.biases_in_ln = k["layernorm"] and cfg.dropout == 0.0 and cfg.bias
         # The parameters that the fused ops read through prepared casts, cast together.
         linears = ([self.attn.c_attn, self.attn.c_proj] if k["qkv"] else []) + (
             [self.mlp.c_fc, self.mlp.c_proj] if k["mlp"] else [])
-        in_ln = self.attn.c_proj.bias if self.attn_bias_in_ln else None
+        in_ln = [self.attn.c_proj.bias, self.mlp.c_proj.bias] if self.biases_in_ln else []
         self._cast_params = [p for m in linears for p in (m.weight, m.bias)
-                             if p is not None and p is not in_ln]
+                             if p is not None and all(p is not b for b in in_ln)]
 
     def forward(
-        self, stream: torch.Tensor, delta: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, stream: torch.Tensor, delta: torch.Tensor | None = None,
+        delta_bias: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, ...]:
+        """stream, delta: (B, T, C); delta_bias: (C,) -> (stream, delta), or with
+        biases_in_ln (stream, delta, delta_bias): the MLP's output without its bias, and
+        the bias for the next LayerNorm to add."""
         with grouped_casts(*self._cast_params):
-            h, stream = self.ln_1(stream, delta)
-            if self.attn_bias_in_ln:
-                h, stream = self.ln_2(stream, self.attn(h, out_bias=False),
-                                      self.attn.c_proj.bias)
-            else:
+            h, stream = self.ln_1(stream, delta, delta_bias)
+            if not self.biases_in_ln:
                 h, stream = self.ln_2(stream, self.drop(self.attn(h)))
-            return stream, self.drop(self.mlp(h))
+                return stream, self.drop(self.mlp(h))
+            h, stream = self.ln_2(stream, self.attn(h, out_bias=False), self.attn.c_proj.bias)
+            return stream, self.mlp(h, out_bias=False), self.mlp.c_proj.bias.clone()
 
 
 class GPT(nn.Module):
@@ -143,9 +149,10 @@ class GPT(nn.Module):
             return tr.drop(ops.embedding(idx, tr.wte.weight) + ops.embedding(pos, tr.wpe.weight))
         return tr.drop(tr.wte(idx) + tr.wpe(pos))
 
-    def logits(self, stream: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
-        """The last block's stream and delta (B, T, C) -> logits (B, T, vocab_size)."""
-        x, _ = self.transformer.ln_f(stream, delta)
+    def logits(self, stream: torch.Tensor, delta: torch.Tensor | None = None,
+               delta_bias: torch.Tensor | None = None) -> torch.Tensor:
+        """The last block's output (stream, delta[, delta_bias]) -> logits (B, T, vocab)."""
+        x, _ = self.transformer.ln_f(stream, delta, delta_bias)
         wte = self.transformer.wte.weight  # the head is tied to the token embedding
         if self.config.kernels["embedding"]:
             from fusedtrain import ops
@@ -154,10 +161,9 @@ class GPT(nn.Module):
             return ops.linear(x, wte)
         return F.linear(x, wte)
 
-    def head_loss(self, stream: torch.Tensor, delta: torch.Tensor | None,
-                  targets: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross-entropy from the last block's stream and delta."""
-        logits = self.logits(stream, delta)
+    def head_loss(self, targets: torch.Tensor, *last: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy from the last block's output `last`."""
+        logits = self.logits(*last)
         if self.config.kernels["cross_entropy"]:
             from fusedtrain import ops
 
@@ -165,11 +171,12 @@ class GPT(nn.Module):
             return ops.cross_entropy(logits, targets, inplace_backward=True)
         return eager.cross_entropy(logits, targets)
 
-    def _trunk(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        stream, delta = self.embed(idx), None
+    def _trunk(self, idx: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The last block's output: (stream, delta[, delta_bias]) (see Block.forward)."""
+        out = (self.embed(idx),)
         for block in self.transformer.h:
-            stream, delta = block(stream, delta)
-        return stream, delta
+            out = block(*out)
+        return out
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """idx: (B, T) token ids -> logits: (B, T, vocab_size)."""
@@ -177,7 +184,7 @@ class GPT(nn.Module):
 
     def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy.  idx, targets: (B, T)."""
-        return self.head_loss(*self._trunk(idx), targets)
+        return self.head_loss(targets, *self._trunk(idx))
 
     @classmethod
     def from_pretrained(cls, path: str, kernels: dict[str, bool] | None = None,

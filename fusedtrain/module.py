@@ -87,10 +87,8 @@ class _GraphedLoss:
 
     def __init__(self, model: GPT, idx: torch.Tensor, targets: torch.Tensor):
         tr = model.transformer
-        first, *rest = tr.h
         stages = [_Stage(model.embed, tr.wte, tr.wpe),
-                  _Stage(lambda stream: first(stream, None), first),
-                  *(_Stage(block, block) for block in rest),
+                  *(_Stage(block, block) for block in tr.h),
                   _Stage(model.head_loss, tr.ln_f, tr.wte)]
         # Sample inputs of each piece: what it receives in a real step (shapes, dtypes
         # under autocast), as leaves that require grad where the real ones do.
@@ -100,17 +98,17 @@ class _GraphedLoss:
                 samples.append(inputs)
                 out = stage(*inputs)
                 inputs = out if isinstance(out, tuple) else (out,)
-        samples.append((*inputs, targets))
+        samples.append((targets, *inputs))
         samples = [tuple(t.detach().clone().requires_grad_(t.is_floating_point()) for t in s)
                    for s in samples]
         self.stages = torch.cuda.make_graphed_callables(tuple(stages), tuple(samples))
 
     def __call__(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        embed, first, *blocks, head = self.stages
-        stream, delta = first(embed(idx))
+        embed, *blocks, head = self.stages
+        out = (embed(idx),)
         for block in blocks:
-            stream, delta = block(stream, delta)
-        return head(stream, delta, targets)
+            out = block(*out)
+        return head(targets, *out)
 
 
 class GPTModule(L.LightningModule):

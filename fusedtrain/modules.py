@@ -57,11 +57,13 @@ class MLP(nn.Module):
         self.fused = fused
         self.approximate = approximate
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out_bias: bool = True) -> torch.Tensor:
+        """out_bias=False leaves c_proj's bias out, for the caller to add (see
+        CausalSelfAttention.forward)."""
         impl = _fused_ops() if self.fused else eager
         return impl.fused_mlp(
-            x, self.c_fc.weight, self.c_fc.bias, self.c_proj.weight, self.c_proj.bias,
-            self.approximate,
+            x, self.c_fc.weight, self.c_fc.bias, self.c_proj.weight,
+            self.c_proj.bias if out_bias else None, self.approximate,
         )
 
 

@@ -50,9 +50,11 @@ def test_fused_adamw_only_on_cuda_and_never_under_fp16_scaling():
         assert not module._fused_adamw()
 
 
-def test_the_graphed_pieces_chain_to_the_model_loss(monkeypatch):
+@pytest.mark.parametrize("layernorm", [False, True])
+def test_the_graphed_pieces_chain_to_the_model_loss(monkeypatch, layernorm):
     """cuda_graph=true's chain of pieces (embedding, blocks, head) computes model.loss and
-    its gradients. On CPU the graphing itself is left out (identity); the GPU test
+    its gradients; with the fused LayerNorm each block also hands the next its MLP's
+    output bias. On CPU the graphing itself is left out (identity); the GPU test
     (tests/test_cuda_graph.py) trains with the real graphs."""
     from fusedtrain.module import _GraphedLoss
 
@@ -64,13 +66,16 @@ def test_the_graphed_pieces_chain_to_the_model_loss(monkeypatch):
         return stages
 
     monkeypatch.setattr(torch.cuda, "make_graphed_callables", identity)
-    cfg = GPTConfig(block_size=16, vocab_size=64, n_layer=3, n_head=2, n_embd=16)
+    cfg = GPTConfig(block_size=16, vocab_size=64, n_layer=3, n_head=2, n_embd=16,
+                    kernels={"layernorm": layernorm})
     model = GPT(cfg)
     idx, targets = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
     graphed = _GraphedLoss(model, idx, targets)
-    # embedding, first block (stream only), two blocks (stream, delta), head (+ targets)
-    assert [len(s) for s in captured["samples"]] == [1, 1, 2, 2, 3]
-    assert [t.requires_grad for t in captured["samples"][-1]] == [True, True, False]
+    # embedding, first block (stream only), two blocks (stream, delta[, delta_bias]),
+    # head (targets first)
+    n = 3 if layernorm else 2
+    assert [len(s) for s in captured["samples"]] == [1, 1, n, n, n + 1]
+    assert [t.requires_grad for t in captured["samples"][-1]] == [False] + [True] * n
     # A graph returns gradients only for the parameters its piece registers: every
     # parameter must be registered by the pieces that use it (the tied wte by two).
     registered = [{id(p) for p in stage.parameters()} for stage in captured["stages"]]
