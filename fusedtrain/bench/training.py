@@ -320,13 +320,20 @@ def plot_parity(result: dict, path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4))
-    for name, losses in result["curves"].items():
+    # The curves overlap at this scale: the lower panel shows their difference per step.
+    fig, (ax, diff_ax) = plt.subplots(2, 1, figsize=(8, 5.5), sharex=True,
+                                      gridspec_kw={"height_ratios": [2, 1]})
+    curves = result["curves"]
+    for name, losses in curves.items():
         ax.plot(range(1, len(losses) + 1), losses, label=name, lw=1.2)
-    ax.set_xlabel("step")
     ax.set_ylabel("training loss")
     ax.set_title(f"{title}\nmax |fused - eager| = {result['max_abs_diff']:.3g}", fontsize=9)
     ax.legend()
+    diff = [f - e for f, e in zip(curves["fused"], curves["eager-sdpa"])]
+    diff_ax.plot(range(1, len(diff) + 1), diff, color="C2", lw=1.0)
+    diff_ax.axhline(0.0, color="grey", lw=0.6)
+    diff_ax.set_xlabel("step")
+    diff_ax.set_ylabel("fused - eager")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
