@@ -36,7 +36,7 @@ def op_cases(device: str) -> dict[str, list[tuple[str, Callable[[], tuple]]]]:
 
     r = lambda *s, **k: _rand(*s, device=device, **k)  # noqa: E731
     cases: dict[str, list] = {"mlp": [], "qkv": [], "attention": [], "layernorm": [],
-                              "cross_entropy": []}
+                              "cross_entropy": [], "embedding": []}
     for a in ("none", "tanh"):
         cases["mlp"].append((f"linear_gelu[{a}]", lambda a=a: (
             lambda x, w, b: ops.linear_gelu(x, w, b, a), (r(2, 5, 7), r(9, 7), r(9)))))
@@ -46,6 +46,7 @@ def op_cases(device: str) -> dict[str, list[tuple[str, Callable[[], tuple]]]]:
             lambda *t: ops.layer_norm_gelu(*t, approximate=a), (r(3, 5, 13), r(13), r(13)))))
     cases["qkv"].append(("qkv_projection", lambda: (
         lambda *t: ops.qkv_projection(*t, 3), (r(2, 5, 12), r(36, 12), r(36)))))
+    cases["qkv"].append(("linear", lambda: (ops.linear, (r(2, 5, 12), r(7, 12), r(7)))))
     for causal in (True, False):
         cases["attention"].append((f"flash_attention[causal={causal}]", lambda c=causal: (
             lambda *t: ops.flash_attention(*t, causal=c), (r(2, 2, 13, 16), r(2, 2, 13, 16),
@@ -54,6 +55,12 @@ def op_cases(device: str) -> dict[str, list[tuple[str, Callable[[], tuple]]]]:
         ops.layer_norm, (r(3, 5, 13), r(13), r(13)))))
     cases["layernorm"].append(("add_layer_norm", lambda: (
         ops.add_layer_norm, (r(3, 5, 13), r(3, 5, 13), r(13), r(13)))))
+    cases["layernorm"].append(("add_layer_norm[x_bias]", lambda: (
+        lambda *t: ops.add_layer_norm(*t[:4], 1e-5, t[4]),
+        (r(3, 5, 13), r(3, 5, 13), r(13), r(13), r(13)))))
+    ids = torch.tensor([[3, 0, 3], [9, 3, 1]], device=device)  # repeated ids add up
+    cases["embedding"].append(("embedding", lambda: (
+        lambda w: ops.embedding(ids, w), (r(11, 6),))))
     targets = torch.tensor([[3, 0, 10], [-100, 7, 1]], device=device)
     cases["cross_entropy"].append(("cross_entropy", lambda: (
         lambda logits: ops.cross_entropy(logits, targets), (r(2, 3, 11),))))

@@ -43,6 +43,8 @@ class ResidualLayerNorm(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         impl = _fused_ops() if self.fused else eager
         if delta is None:
+            if delta_bias is not None:
+                raise ValueError("delta_bias given without delta")
             return impl.layer_norm(stream, self.weight, self.bias, self.eps), stream
         return impl.add_layer_norm(delta, stream, self.weight, self.bias, self.eps, delta_bias)
 

@@ -116,4 +116,3 @@ def cross_entropy_bwd(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Te
                          dlogits.stride(0), ignore_index, ACC=acc_dtype(logits),
                          BLOCK_V=BLOCK_V, num_warps=8)
     return dlogits
-

@@ -11,6 +11,8 @@ Backward: a persistent grid of programs, each walking row tiles pid, pid + G, ..
 its dW / db partial sums in fp32 registers; the (G, 2, C) partials are summed once at
 the end, by bias_grad's column-sum kernel: no atomics on the hot path.
 GELU after the affine map is recomputed in backward from x and the saved statistics.
+The residual form may also add x_bias, the bias of the layer that made x, as x is read;
+its gradient, dx's column sums, is one more partial-sum row of the same backward pass.
 """
 
 from __future__ import annotations
@@ -200,8 +202,7 @@ def _ln_fwd_kernel(
 
 
 @cached_autotune(LOOP_CONFIGS, key=["C", "HAS_DS", "HAS_DX2", "DX_SUMS", "GELU"],
-                 prune=_row_tiles,
-                 do_bench=graph_timed)
+                 prune=_row_tiles, do_bench=graph_timed)
 @triton.jit
 def _ln_bwd_kernel(
     dy_ptr, x_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, ds_ptr, dx_ptr, dx2_ptr, part_ptr,
