@@ -9,11 +9,12 @@ from fusedtrain.ops._registry import launcher
 
 
 @launcher("bias_grad")
-def column_sums(g: torch.Tensor) -> torch.Tensor:
-    """g: (M, N) -> g.sum(0): (N,) in g's dtype, accumulated in fp32 (fp64 for fp64 g)."""
-    return bias_grad(g, g.dtype)
+def column_sums(g: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """g: (M, N) -> g.sum(0): (N,) in `dtype` (default g's), accumulated in fp32 (fp64 for
+    fp64 g) and rounded once."""
+    return bias_grad(g, dtype or g.dtype)
 
 
 @column_sums.register_fake
-def _(g):
-    return g.new_empty(g.shape[1])
+def _(g, dtype=None):
+    return g.new_empty(g.shape[1], dtype=dtype or g.dtype)

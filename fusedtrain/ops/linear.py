@@ -54,7 +54,7 @@ class LinearFunction(torch.autograd.Function):
         want_x, want_w, want_b, _ = ctx.needs_input_grad
         dx = (dy2 @ weight).view(x.shape) if want_x else None
         dw = _weight_grad(dy2, x.reshape(-1, x.shape[-1]), w_dtype) if want_w else None
-        db = column_sums(dy2).to(b_dtype) if b_dtype is not None and want_b else None
+        db = column_sums(dy2, b_dtype) if b_dtype is not None and want_b else None
         return dx, dw, db, None
 
 
