@@ -42,15 +42,18 @@ def test_strided_x():
         torch.testing.assert_close(a, r)
 
 
-@pytest.mark.parametrize("B,T,C,H", [(2, 32, 48, 3), (3, 48, 64, 4)])
-def test_tma_kernels_match_eager(B, T, C, H):
+@pytest.mark.parametrize("B,T,C,H,block_n", [(2, 32, 48, 3, 32), (3, 48, 64, 4, 32),
+                                             (3, 48, 96, 6, 64), (2, 20, 48, 3, 32)])
+def test_tma_kernels_match_eager(B, T, C, H, block_n):
     """The TMA forward and dx kernels, with tiles small enough that programs walk several
-    tiles, a W tile runs past its q/k/v segment (C % 32 != 0 in the first case) and every
-    row tile of dx reads several heads of dq, dk and dv."""
+    tiles, a W tile runs past its q/k/v segment (C % block_n != 0) and every row tile of
+    dx reads several heads of dq, dk and dv. The forward stores a head per half tile
+    (D = block_n / 2), two (D = block_n / 4, the third case), or, with T % 16 != 0 (the
+    last), through pointers."""
     from fusedtrain.kernels import qkv as K
     from fusedtrain.kernels._tma import TmaConfig
 
-    small = TmaConfig(block_m=16, block_n=32, block_k=16, num_warps=4, num_stages=1)
+    small = TmaConfig(block_m=16, block_n=block_n, block_k=16, num_warps=4, num_stages=1)
     x, w, b = (t.detach() for t in _inputs(B, T, C))
     for got, want in zip(K.qkv_fwd(x, w, b, H, config=small), eager.qkv_projection(x, w, b, H)):
         torch.testing.assert_close(got, want)

@@ -43,13 +43,20 @@ from fusedtrain.kernels._tma import (
 
 
 @device_fn
+def _add_bias(acc, b_ptr, seg, offs_c, C, HAS_BIAS: tl.constexpr):
+    """acc (rows, len(offs_c)) + the bias of segment seg's columns offs_c (< C)."""
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + seg * C + offs_c, mask=offs_c < C, other=0.0).to(acc.dtype)[None, :]
+    return acc
+
+
+@device_fn
 def _store_heads(acc, offs_m, offs_c, seg, b_ptr, q_ptr, k_ptr, v_ptr, M, C, T, D,
                  s_ob, s_oh, s_ot, s_od, HAS_BIAS: tl.constexpr):
     """Epilogue of the forward: + bias, then rows m = (b, t) and columns c = (h, d) of
     segment seg stored at q, k or v[b, h, t, d]."""
     m_ok, c_ok = offs_m < M, offs_c < C
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + seg * C + offs_c, mask=c_ok, other=0.0).to(acc.dtype)[None, :]
+    acc = _add_bias(acc, b_ptr, seg, offs_c, C, HAS_BIAS)
     b = offs_m.to(tl.int64) // T
     t = offs_m.to(tl.int64) % T
     dst = (pick3(seg, q_ptr, k_ptr, v_ptr) + (b * s_ob + t * s_ot)[:, None]
@@ -136,17 +143,56 @@ def _qkv_dw_kernel(
 # ---------------------------------------------------------------- TMA (Hopper) versions
 
 
+@device_fn
+def _store_head_tma(val, q_desc, k_desc, v_desc, seg, row, h, H):
+    """One head's (BLOCK_M, D) block of segment seg at `row` of its (B*H*T, D) matrix;
+    nothing for h >= H (a tile running past its segment's end)."""
+    if h < H:
+        val = val.to(q_desc.dtype)
+        if seg == 0:
+            q_desc.store([row, 0], val)
+        elif seg == 1:
+            k_desc.store([row, 0], val)
+        else:
+            v_desc.store([row, 0], val)
+
+
+@device_fn
+def _store_heads_tma(acc, off_m, off_c, seg, b_ptr, q_desc, k_desc, v_desc, C, T, H,
+                     HAS_BIAS: tl.constexpr, HEAD_D: tl.constexpr):
+    """The TMA form of _store_heads, for a tile inside one sequence (T % BLOCK_M == 0)
+    whose columns are one or two whole heads (HEAD_D = D): each head's block is a box of
+    q, k or v viewed as (B*H*T, D) matrices, written by one bulk copy."""
+    BLOCK_M: tl.constexpr = acc.shape[0]
+    WIDTH: tl.constexpr = acc.shape[1]
+    acc = _add_bias(acc, b_ptr, seg, off_c + tl.arange(0, WIDTH), C, HAS_BIAS)
+    h = off_c // HEAD_D
+    row = ((off_m // T) * H + h) * T + off_m % T  # (b, h, t0) of the tile's first token
+    if WIDTH == HEAD_D:
+        _store_head_tma(acc, q_desc, k_desc, v_desc, seg, row, h, H)
+    else:
+        first, second = column_halves(acc, BLOCK_M, WIDTH)
+        _store_head_tma(first, q_desc, k_desc, v_desc, seg, row, h, H)
+        _store_head_tma(second, q_desc, k_desc, v_desc, seg, row + T, h + 1, H)
+
+
 @triton.jit
 def _qkv_fwd_tma_kernel(
-    x_ptr, w_ptr, b_ptr, q_ptr, k_ptr, v_ptr, M, C, T, D,
+    x_ptr, w_ptr, b_ptr, q_ptr, k_ptr, v_ptr, M, C, T, H, D,
     s_xm, s_w0, s_ob, s_oh, s_ot, s_od,
-    HAS_BIAS: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HEAD_D: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     # x viewed as (M, C) tokens; a tile's W rows may run past its segment's end when
-    # C % BLOCK_N != 0: those columns are computed and masked at the store.
+    # C % BLOCK_N != 0: those columns are computed and masked (dropped) at the store.
+    # HEAD_D = D > 0 (q, k, v contiguous, T % BLOCK_M == 0, D = BLOCK_N / 2 or / 4): each
+    # head's block leaves through TMA; HEAD_D = 0: masked pointer stores.
     x_desc = matrix_desc(x_ptr, M, C, s_xm, BLOCK_M, BLOCK_K)
     w_desc = matrix_desc(w_ptr, 3 * C, C, s_w0, BLOCK_N, BLOCK_K)
+    if HEAD_D > 0:
+        q_desc = matrix_desc(q_ptr, M * H, HEAD_D, HEAD_D, BLOCK_M, HEAD_D)
+        k_desc = matrix_desc(k_ptr, M * H, HEAD_D, HEAD_D, BLOCK_M, HEAD_D)
+        v_desc = matrix_desc(v_ptr, M * H, HEAD_D, HEAD_D, BLOCK_M, HEAD_D)
     tiles_per_seg = cdiv(C, BLOCK_N)
     tiles = cdiv(M, BLOCK_M) * 3 * tiles_per_seg
     for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=True):
@@ -157,12 +203,18 @@ def _qkv_fwd_tma_kernel(
         acc = tma_matmul(x_desc, w_desc, off_m, seg * C + off_c, 0, C, ACC, PRECISION,
                          BLOCK_M, BLOCK_N, BLOCK_K, B_TRANS=True)
         left, right = column_halves(acc, BLOCK_M, BLOCK_N)
-        offs_m = off_m + tl.arange(0, BLOCK_M)
-        offs_c = off_c + tl.arange(0, BLOCK_N // 2)
-        _store_heads(left, offs_m, offs_c, seg, b_ptr, q_ptr, k_ptr, v_ptr, M, C, T, D,
-                     s_ob, s_oh, s_ot, s_od, HAS_BIAS)
-        _store_heads(right, offs_m, offs_c + BLOCK_N // 2, seg, b_ptr, q_ptr, k_ptr, v_ptr,
-                     M, C, T, D, s_ob, s_oh, s_ot, s_od, HAS_BIAS)
+        if HEAD_D > 0:
+            _store_heads_tma(left, off_m, off_c, seg, b_ptr, q_desc, k_desc, v_desc, C, T, H,
+                             HAS_BIAS, HEAD_D)
+            _store_heads_tma(right, off_m, off_c + BLOCK_N // 2, seg, b_ptr, q_desc, k_desc,
+                             v_desc, C, T, H, HAS_BIAS, HEAD_D)
+        else:
+            offs_m = off_m + tl.arange(0, BLOCK_M)
+            offs_c = off_c + tl.arange(0, BLOCK_N // 2)
+            _store_heads(left, offs_m, offs_c, seg, b_ptr, q_ptr, k_ptr, v_ptr, M, C, T, D,
+                         s_ob, s_oh, s_ot, s_od, HAS_BIAS)
+            _store_heads(right, offs_m, offs_c + BLOCK_N // 2, seg, b_ptr, q_ptr, k_ptr,
+                         v_ptr, M, C, T, D, s_ob, s_oh, s_ot, s_od, HAS_BIAS)
 
 
 @device_fn
@@ -222,8 +274,10 @@ def qkv_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n_
     if tma_ok(x, weight) and (B == 1 or x.stride(0) == T * x.stride(1)):
         cfg = config or tma_config(C)
         tiles = triton.cdiv(M, cfg.block_m) * 3 * triton.cdiv(C, cfg.block_n)
-        launch(_qkv_fwd_tma_kernel, tiles, x.device, x, weight, b_arg, q, k, v, M, C, T, D,
-               x.stride(1), weight.stride(0), *q.stride(), config=cfg, **flags)
+        head_store = T % cfg.block_m == 0 and D in (cfg.block_n // 2, cfg.block_n // 4)
+        launch(_qkv_fwd_tma_kernel, tiles, x.device, x, weight, b_arg, q, k, v, M, C, T,
+               n_heads, D, x.stride(1), weight.stride(0), *q.stride(), config=cfg,
+               HEAD_D=D if head_store else 0, **flags)
         return q, k, v
     grid = lambda meta: (  # noqa: E731
         triton.cdiv(M, meta["BLOCK_M"]) * 3 * triton.cdiv(C, meta["BLOCK_N"]),)
