@@ -148,13 +148,13 @@ def _store_head_tma(val, q_desc, k_desc, v_desc, seg, row, h, H):
     """One head's (BLOCK_M, D) block of segment seg at `row` of its (B*H*T, D) matrix;
     nothing for h >= H (a tile running past its segment's end)."""
     if h < H:
-        val = val.to(q_desc.dtype)
+        out = val.to(q_desc.dtype)
         if seg == 0:
-            q_desc.store([row, 0], val)
+            q_desc.store([row, 0], out)
         elif seg == 1:
-            k_desc.store([row, 0], val)
+            k_desc.store([row, 0], out)
         else:
-            v_desc.store([row, 0], val)
+            v_desc.store([row, 0], out)
 
 
 @device_fn
