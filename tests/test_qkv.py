@@ -43,13 +43,13 @@ def test_strided_x():
 
 
 @pytest.mark.parametrize("B,T,C,H,block_n", [(2, 32, 48, 3, 32), (3, 48, 64, 4, 32),
-                                             (3, 48, 96, 6, 64), (2, 20, 48, 3, 32)])
+                                             (3, 48, 128, 8, 64), (2, 20, 48, 3, 32)])
 def test_tma_kernels_match_eager(B, T, C, H, block_n):
     """The TMA forward and dx kernels, with tiles small enough that programs walk several
-    tiles, a W tile runs past its q/k/v segment (C % block_n != 0) and every row tile of
-    dx reads several heads of dq, dk and dv. The forward stores a head per half tile
-    (D = block_n / 2), two (D = block_n / 4, the third case), or, with T % 16 != 0 (the
-    last), through pointers."""
+    tiles and every row tile of dx reads several heads of dq, dk and dv. The forward
+    stores through pointers where a W tile runs past its q/k/v segment (C % block_n != 0,
+    the first case) or a row tile past a sequence (T % 16 != 0, the last), else each
+    head's block through TMA: one head per half tile (D = block_n / 2) or two (the third)."""
     from fusedtrain.kernels import qkv as K
     from fusedtrain.kernels._tma import TmaConfig
 

@@ -144,36 +144,45 @@ def _qkv_dw_kernel(
 
 
 @device_fn
-def _store_head_tma(val, q_desc, k_desc, v_desc, seg, row, h, H):
-    """One head's (BLOCK_M, D) block of segment seg at `row` of its (B*H*T, D) matrix;
-    nothing for h >= H (a tile running past its segment's end)."""
-    if h < H:
-        out = val.to(q_desc.dtype)
-        if seg == 0:
-            q_desc.store([row, 0], out)
-        elif seg == 1:
-            k_desc.store([row, 0], out)
-        else:
-            v_desc.store([row, 0], out)
+def _store_head_blocks(half, off_m, off_c, seg, b_ptr, o_desc, C, T, H,
+                       HAS_BIAS: tl.constexpr, HEAD_D: tl.constexpr):
+    """The TMA form of _store_heads: half (BLOCK_M, WIDTH), the columns [off_c, off_c +
+    WIDTH) of segment seg (one or two whole heads: WIDTH = HEAD_D or 2 * HEAD_D) for tokens
+    [off_m, off_m + BLOCK_M) of one sequence, + bias; each head's block is a box of q, k or
+    v viewed as a (B*H*T, D) matrix (o_desc), written by one bulk copy."""
+    BLOCK_M: tl.constexpr = half.shape[0]
+    WIDTH: tl.constexpr = half.shape[1]
+    half = _add_bias(half, b_ptr, seg, off_c + tl.arange(0, WIDTH), C, HAS_BIAS)
+    row = ((off_m // T) * H + off_c // HEAD_D) * T + off_m % T  # (b, h, t0)
+    if WIDTH == HEAD_D:
+        o_desc.store([row, 0], half.to(o_desc.dtype))
+    else:
+        first, second = column_halves(half, BLOCK_M, WIDTH)
+        o_desc.store([row, 0], first.to(o_desc.dtype))
+        o_desc.store([row + T, 0], second.to(o_desc.dtype))  # the next head
 
 
 @device_fn
-def _store_heads_tma(acc, off_m, off_c, seg, b_ptr, q_desc, k_desc, v_desc, C, T, H,
-                     HAS_BIAS: tl.constexpr, HEAD_D: tl.constexpr):
-    """The TMA form of _store_heads, for a tile inside one sequence (T % BLOCK_M == 0)
-    whose columns are one or two whole heads (HEAD_D = D): each head's block is a box of
-    q, k or v viewed as (B*H*T, D) matrices, written by one bulk copy."""
-    BLOCK_M: tl.constexpr = acc.shape[0]
-    WIDTH: tl.constexpr = acc.shape[1]
-    acc = _add_bias(acc, b_ptr, seg, off_c + tl.arange(0, WIDTH), C, HAS_BIAS)
-    h = off_c // HEAD_D
-    row = ((off_m // T) * H + h) * T + off_m % T  # (b, h, t0) of the tile's first token
-    if WIDTH == HEAD_D:
-        _store_head_tma(acc, q_desc, k_desc, v_desc, seg, row, h, H)
-    else:
-        first, second = column_halves(acc, BLOCK_M, WIDTH)
-        _store_head_tma(first, q_desc, k_desc, v_desc, seg, row, h, H)
-        _store_head_tma(second, q_desc, k_desc, v_desc, seg, row + T, h + 1, H)
+def _segment_tma(x_desc, w_desc, b_ptr, o_ptr, seg: tl.constexpr, M, C, T, H,
+                 HAS_BIAS: tl.constexpr, HEAD_D: tl.constexpr, ACC: tl.constexpr,
+                 PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """This program's share of segment seg's (q, k or v) output tiles, stored by
+    _store_head_blocks. Tiles are dealt to programs as if the three segments' tiles were
+    one sequence (segment seg's tile t is tile seg * tiles + t), so each program gets what
+    one persistent loop over all of them would give it."""
+    o_desc = matrix_desc(o_ptr, M * H, HEAD_D, HEAD_D, BLOCK_M, HEAD_D)
+    tiles = cdiv(M, BLOCK_M) * cdiv(C, BLOCK_N)
+    n_progs = tl.num_programs(0)
+    first = (tl.program_id(0) + n_progs - (seg * tiles) % n_progs) % n_progs
+    for tile in tl.range(first, tiles, n_progs, flatten=True):
+        off_m, off_c = tile_origin(tile, M, C, BLOCK_M, BLOCK_N, GROUP_M)
+        acc = tma_matmul(x_desc, w_desc, off_m, seg * C + off_c, 0, C, ACC, PRECISION,
+                         BLOCK_M, BLOCK_N, BLOCK_K, B_TRANS=True)
+        left, right = column_halves(acc, BLOCK_M, BLOCK_N)
+        _store_head_blocks(left, off_m, off_c, seg, b_ptr, o_desc, C, T, H, HAS_BIAS, HEAD_D)
+        _store_head_blocks(right, off_m, off_c + BLOCK_N // 2, seg, b_ptr, o_desc, C, T, H,
+                           HAS_BIAS, HEAD_D)
 
 
 @triton.jit
@@ -183,32 +192,33 @@ def _qkv_fwd_tma_kernel(
     HAS_BIAS: tl.constexpr, HEAD_D: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    # x viewed as (M, C) tokens; a tile's W rows may run past its segment's end when
-    # C % BLOCK_N != 0: those columns are computed and masked (dropped) at the store.
-    # HEAD_D = D > 0 (q, k, v contiguous, T % BLOCK_M == 0, D = BLOCK_N / 2 or / 4): each
-    # head's block leaves through TMA; HEAD_D = 0: masked pointer stores.
+    # x viewed as (M, C) tokens.
+    # HEAD_D = D > 0 (contiguous q, k, v; T % BLOCK_M == 0, C % BLOCK_N == 0, D = BLOCK_N / 2
+    # or / 4): one loop per segment, each head's block leaving through TMA. (Per segment,
+    # so that the store's descriptor is fixed: a run-time choice among three inside one
+    # flattened loop fails Triton 3.6's loop-fusion pass.)
+    # HEAD_D = 0: one loop over all tiles, masked pointer stores; a tile's W rows may run
+    # past its segment's end when C % BLOCK_N != 0, and those columns are masked.
     x_desc = matrix_desc(x_ptr, M, C, s_xm, BLOCK_M, BLOCK_K)
     w_desc = matrix_desc(w_ptr, 3 * C, C, s_w0, BLOCK_N, BLOCK_K)
     if HEAD_D > 0:
-        q_desc = matrix_desc(q_ptr, M * H, HEAD_D, HEAD_D, BLOCK_M, HEAD_D)
-        k_desc = matrix_desc(k_ptr, M * H, HEAD_D, HEAD_D, BLOCK_M, HEAD_D)
-        v_desc = matrix_desc(v_ptr, M * H, HEAD_D, HEAD_D, BLOCK_M, HEAD_D)
-    tiles_per_seg = cdiv(C, BLOCK_N)
-    tiles = cdiv(M, BLOCK_M) * 3 * tiles_per_seg
-    for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=True):
-        pid_m, pid_n = grouped_tile(tile, M, 3 * tiles_per_seg * BLOCK_N, BLOCK_M, BLOCK_N,
-                                    GROUP_M)
-        seg = pid_n // tiles_per_seg
-        off_m, off_c = pid_m * BLOCK_M, (pid_n % tiles_per_seg) * BLOCK_N
-        acc = tma_matmul(x_desc, w_desc, off_m, seg * C + off_c, 0, C, ACC, PRECISION,
-                         BLOCK_M, BLOCK_N, BLOCK_K, B_TRANS=True)
-        left, right = column_halves(acc, BLOCK_M, BLOCK_N)
-        if HEAD_D > 0:
-            _store_heads_tma(left, off_m, off_c, seg, b_ptr, q_desc, k_desc, v_desc, C, T, H,
-                             HAS_BIAS, HEAD_D)
-            _store_heads_tma(right, off_m, off_c + BLOCK_N // 2, seg, b_ptr, q_desc, k_desc,
-                             v_desc, C, T, H, HAS_BIAS, HEAD_D)
-        else:
+        _segment_tma(x_desc, w_desc, b_ptr, q_ptr, 0, M, C, T, H, HAS_BIAS, HEAD_D, ACC,
+                     PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+        _segment_tma(x_desc, w_desc, b_ptr, k_ptr, 1, M, C, T, H, HAS_BIAS, HEAD_D, ACC,
+                     PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+        _segment_tma(x_desc, w_desc, b_ptr, v_ptr, 2, M, C, T, H, HAS_BIAS, HEAD_D, ACC,
+                     PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+    else:
+        tiles_per_seg = cdiv(C, BLOCK_N)
+        tiles = cdiv(M, BLOCK_M) * 3 * tiles_per_seg
+        for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=True):
+            pid_m, pid_n = grouped_tile(tile, M, 3 * tiles_per_seg * BLOCK_N, BLOCK_M, BLOCK_N,
+                                        GROUP_M)
+            seg = pid_n // tiles_per_seg
+            off_m, off_c = pid_m * BLOCK_M, (pid_n % tiles_per_seg) * BLOCK_N
+            acc = tma_matmul(x_desc, w_desc, off_m, seg * C + off_c, 0, C, ACC, PRECISION,
+                             BLOCK_M, BLOCK_N, BLOCK_K, B_TRANS=True)
+            left, right = column_halves(acc, BLOCK_M, BLOCK_N)
             offs_m = off_m + tl.arange(0, BLOCK_M)
             offs_c = off_c + tl.arange(0, BLOCK_N // 2)
             _store_heads(left, offs_m, offs_c, seg, b_ptr, q_ptr, k_ptr, v_ptr, M, C, T, D,
@@ -274,7 +284,8 @@ def qkv_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n_
     if tma_ok(x, weight) and (B == 1 or x.stride(0) == T * x.stride(1)):
         cfg = config or tma_config(C)
         tiles = triton.cdiv(M, cfg.block_m) * 3 * triton.cdiv(C, cfg.block_n)
-        head_store = T % cfg.block_m == 0 and D in (cfg.block_n // 2, cfg.block_n // 4)
+        head_store = (T % cfg.block_m == 0 and C % cfg.block_n == 0
+                      and D in (cfg.block_n // 2, cfg.block_n // 4))
         launch(_qkv_fwd_tma_kernel, tiles, x.device, x, weight, b_arg, q, k, v, M, C, T,
                n_heads, D, x.stride(1), weight.stride(0), *q.stride(), config=cfg,
                HEAD_D=D if head_store else 0, **flags)
