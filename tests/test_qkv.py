@@ -44,14 +44,18 @@ def test_strided_x():
 
 @pytest.mark.parametrize("B,T,C,H,block_n", [(2, 32, 48, 3, 32), (3, 48, 64, 4, 32),
                                              (3, 48, 128, 8, 64), (2, 20, 48, 3, 32)])
-def test_tma_kernels_match_eager(B, T, C, H, block_n):
+def test_tma_kernels_match_eager(B, T, C, H, block_n, monkeypatch):
     """The TMA forward and dx kernels, with tiles small enough that programs walk several
     tiles and every row tile of dx reads several heads of dq, dk and dv. The forward
     stores through pointers where a W tile runs past its q/k/v segment (C % block_n != 0,
     the first case) or a row tile past a sequence (T % 16 != 0, the last), else each
-    head's block through TMA: one head per half tile (D = block_n / 2) or two (the third)."""
+    head's block through TMA: one head per half tile (D = block_n / 2) or two (the third).
+    Five persistent programs (the interpreter's default is one), a count that divides no
+    segment's tiles, so the per-segment loops start each program at a different tile."""
     from fusedtrain.kernels import qkv as K
     from fusedtrain.kernels._tma import TmaConfig
+
+    monkeypatch.setattr(TmaConfig, "programs", lambda self, work, device: min(work, 5))
 
     small = TmaConfig(block_m=16, block_n=block_n, block_k=16, num_warps=4, num_stages=1)
     x, w, b = (t.detach() for t in _inputs(B, T, C))
