@@ -79,6 +79,17 @@ def flash_attention(
     return torch.matmul(probs, v)
 
 
+def qkv_attention(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n_heads: int,
+    causal: bool = True, softmax_scale: float | None = None,
+) -> torch.Tensor:
+    """flash_attention(*qkv_projection(x, weight, bias, n_heads), causal, softmax_scale).
+
+    x: (B, T, C), weight: (3C, C), bias: (3C,) -> o: (B, n_heads, T, C // n_heads).
+    """
+    return flash_attention(*qkv_projection(x, weight, bias, n_heads), causal, softmax_scale)
+
+
 def layer_norm(
     x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float = 1e-5
 ) -> torch.Tensor:

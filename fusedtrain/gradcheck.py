@@ -51,6 +51,8 @@ def op_cases(device: str) -> dict[str, list[tuple[str, Callable[[], tuple]]]]:
         cases["attention"].append((f"flash_attention[causal={causal}]", lambda c=causal: (
             lambda *t: ops.flash_attention(*t, causal=c), (r(2, 2, 13, 16), r(2, 2, 13, 16),
                                                            r(2, 2, 13, 16)))))
+    cases["attention"].append(("qkv_attention", lambda: (
+        lambda *t: ops.qkv_attention(*t, 3), (r(2, 5, 12), r(36, 12), r(36)))))
     cases["layernorm"].append(("layer_norm", lambda: (
         ops.layer_norm, (r(3, 5, 13), r(13), r(13)))))
     cases["layernorm"].append(("add_layer_norm", lambda: (

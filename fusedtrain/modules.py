@@ -77,6 +77,8 @@ class CausalSelfAttention(nn.Module):
     linear + split, and nn.Linear.
     fused_attention: Triton flash attention; else `eager_attention`, "math" (the
     (T, T) matrix in memory) or "sdpa" (PyTorch's scaled_dot_product_attention).
+    Both fused: one op (`ops.qkv_attention`), whose attention backward also sums the
+    projection's bias gradient.
     """
 
     def __init__(
@@ -98,16 +100,23 @@ class CausalSelfAttention(nn.Module):
         add_layer_norm adds it, and its backward sums its gradient from the pass it makes
         anyway)."""
         B, T, C = x.shape
-        project = _fused_ops().qkv_projection if self.fused_qkv else eager.qkv_projection_packed
-        q, k, v = project(x, self.c_attn.weight, self.c_attn.bias, self.n_head)
-        if self.fused_attention:
-            y = _fused_ops().flash_attention(q, k, v, causal=True)
-        elif self.eager_attention == "sdpa":
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        w, b = self.c_attn.weight, self.c_attn.bias
+        if self.fused_qkv and self.fused_attention:  # the bias gradient from the attention
+            y = _fused_ops().qkv_attention(x, w, b, self.n_head, causal=True)
         else:
-            y = eager.flash_attention(q, k, v, causal=True)
+            y = self._attention(x, w, b)
         y = y.transpose(1, 2).reshape(B, T, C)
         bias = self.c_proj.bias if out_bias else None
         if self.fused_qkv:  # the projections' family: casts grouped, bias gradient fused
             return _fused_ops().linear(y, self.c_proj.weight, bias)
         return F.linear(y, self.c_proj.weight, bias)
+
+    def _attention(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        """The projection and attention as separate ops: x (B, T, C) -> (B, H, T, D)."""
+        project = _fused_ops().qkv_projection if self.fused_qkv else eager.qkv_projection_packed
+        q, k, v = project(x, w, b, self.n_head)
+        if self.fused_attention:
+            return _fused_ops().flash_attention(q, k, v, causal=True)
+        if self.eager_attention == "sdpa":
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return eager.flash_attention(q, k, v, causal=True)

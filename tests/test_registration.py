@@ -43,6 +43,9 @@ def first_calls():
             ops.linear_gelu(x, leaf(7, C), leaf(7))
         q, k, v = ops.qkv_projection(x, leaf(3 * C, C), leaf(3 * C), H)
         losses.append(ops.flash_attention(q, k, v, causal=True).sum())
+        # Created last, so its backward runs first: the attention_bwd recorded is the one
+        # that also sums a bias gradient.
+        losses.append(ops.qkv_attention(x, leaf(3 * C, C), leaf(3 * C), H).sum())
         losses.append(ops.layer_norm(x, leaf(C), leaf(C)).sum())
         y, s = ops.add_layer_norm(x, leaf(B, T, C), leaf(C), leaf(C))
         losses += [y.sum(), s.sum(), ops.layer_norm_gelu(x, leaf(C), leaf(C)).sum()]
@@ -112,6 +115,7 @@ def _every_op_forward_and_backward(device: str) -> list[torch.Tensor]:
             ops.layer_norm_gelu(x, w, b)]
     q, k, v = (leaf(B, H, T, C // H) for _ in range(3))
     outs.append(ops.flash_attention(q, k, v, causal=True))
+    outs.append(ops.qkv_attention(x, leaf(3 * C, C), leaf(3 * C), H))
     targets = torch.randint(0, 11, (B * T,), generator=gen).to(device)
     outs += [ops.cross_entropy(leaf(B * T, 11), targets),
              ops.cross_entropy(leaf(B * T, 11), targets, inplace_backward=True)]

@@ -13,7 +13,9 @@ forward    one program per (query block, batch*head): online softmax over key bl
            o = acc / l written once; saves lse2 = m + log2(l) per row (base-2 log-sum-exp).
 backward   two kernels, neither using atomics:
            dq:    one program per query block, looping over key blocks; it first
-                  computes delta = rowsum(dO * O) for its rows and stores it;
+                  computes delta = rowsum(dO * O) for its rows and stores it; on request
+                  it also sums the gradients of biases added to q, k, v (see
+                  attention_bwd);
            dk/dv: one program per key block, looping over query blocks (reads delta:
                   launched after dq).
 Causal: blocks entirely above the diagonal are skipped; only blocks that straddle the
@@ -43,6 +45,7 @@ from fusedtrain.kernels._common import (
     stat_dtype,
 )
 from fusedtrain.kernels._tma import enable_device_descriptors, matrix_desc, tma_ok
+from fusedtrain.kernels.bias_grad import bias_grad
 
 LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 128
@@ -72,6 +75,11 @@ def _dkdv_fits(config: triton.Config, BLOCK_D: int, **_) -> bool:
 
 INTERPRET_CONFIG = triton.Config({"BLOCK_M": 128, "BLOCK_N": 128})
 WIDE_CONFIGS = _configs([(64, 32, 4, 2)])
+# The bias gradients' partial sums are kept per BIAS_GRAIN query rows, which divides every
+# dq config's BLOCK_M: the buffer's layout does not depend on the autotuner's choice.
+BIAS_GRAIN = 64
+assert all(c.kwargs["BLOCK_M"] % BIAS_GRAIN == 0
+           for c in [*BWD_Q_CONFIGS, *WIDE_CONFIGS, INTERPRET_CONFIG])
 
 
 @device_fn
@@ -322,17 +330,37 @@ def _dq_blocks(dq, q, do, lse, delta, k_src, v_src, offs_m, offs_d, d_ok, T, qk_
     return dq
 
 
-@autotune(BWD_Q_CONFIGS, key=["T_BUCKET", "BLOCK_D", "CAUSAL", "TMA"], interpret=INTERPRET_CONFIG,
-          wide=WIDE_CONFIGS)
+@device_fn
+def _grain_sums(tile, m_ok, GRAIN: tl.constexpr):
+    """tile: (BLOCK_M, BLOCK_D) -> its column sums per GRAIN rows, (BLOCK_M // GRAIN,
+    BLOCK_D), rows past the sequence end (not m_ok) left out."""
+    BLOCK_M: tl.constexpr = tile.shape[0]
+    BLOCK_D: tl.constexpr = tile.shape[1]
+    tile = tl.where(m_ok[:, None], tile, 0.0)
+    return row_sum(tl.reshape(tile, (BLOCK_M // GRAIN, GRAIN, BLOCK_D)), 1)
+
+
+@device_fn
+def _store_grain_rows(ptr, sums, row_stride, rows_left, offs_d, d_ok):
+    """sums (n, BLOCK_D) as n consecutive rows of a partial-sum buffer from ptr (the first
+    row's first column); only the first rows_left hold data (the sequence end)."""
+    rows = tl.arange(0, sums.shape[0])
+    ptrs = ptr + rows.to(tl.int64)[:, None] * row_stride + offs_d[None, :]
+    tl.store(ptrs, sums.to(ptr.dtype.element_ty), mask=(rows < rows_left)[:, None] & d_ok[None, :])
+
+
+@autotune(BWD_Q_CONFIGS, key=["T_BUCKET", "BLOCK_D", "CAUSAL", "TMA", "BIAS_SUMS"],
+          interpret=INTERPRET_CONFIG, wide=WIDE_CONFIGS)
 @triton.jit
 def _attn_bwd_dq_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, part_ptr,
     qk_scale, sm_scale, H, T, D, T_BUCKET, BH, GROUP,
     s_qb, s_qh, s_qt, s_qd, s_kb, s_kh, s_kt, s_kd, s_vb, s_vh, s_vt, s_vd,
     s_gb, s_gh, s_gt, s_gd, s_db, s_dh, s_dt, s_dd,
     o_ptr, s_ob, s_oh, s_ot, s_od,
     CAUSAL: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr, BLOCK_D: tl.constexpr,
-    TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    TMA: tl.constexpr, BIAS_SUMS: tl.constexpr, GRAIN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     bh, block = _schedule(cdiv(T, BLOCK_M), BH, GROUP, False)
     start_m = block * BLOCK_M
@@ -354,8 +382,22 @@ def _attn_bwd_dq_kernel(
                     s_kt, s_kd, s_vt, s_vd, 0, full, False, CAUSAL, BLOCK_N, ACC, PRECISION, TMA)
     dq = _dq_blocks(dq, q, do, lse, delta, k_src, v_src, offs_m, offs_d, d_ok, T, qk_scale,
                     s_kt, s_kd, s_vt, s_vd, full, last, True, CAUSAL, BLOCK_N, ACC, PRECISION, TMA)
-    _store_rows(_slice_base(dq_ptr, bh, H, s_db, s_dh), dq * sm_scale, offs_m, offs_d, s_dt,
-                s_dd, m_ok, d_ok)
+    dq = dq * sm_scale
+    _store_rows(_slice_base(dq_ptr, bh, H, s_db, s_dh), dq, offs_m, offs_d, s_dt, s_dd, m_ok,
+                d_ok)
+    if BIAS_SUMS:
+        # Row (batch, query grain) of the (B * T / GRAIN, 3, H, D) partial sums, at head h:
+        # [dq's column sums | 0 | dO's] (the bias gradients, see attention_bwd).
+        C = H * D
+        grain_row = (bh // H).to(tl.int64) * cdiv(T, GRAIN) + start_m // GRAIN
+        base = part_ptr + grain_row * 3 * C + (bh % H) * D
+        rows_left = cdiv(T - start_m, GRAIN)
+        dq_sums = _grain_sums(dq, m_ok, GRAIN)
+        _store_grain_rows(base, dq_sums, 3 * C, rows_left, offs_d, d_ok)
+        _store_grain_rows(base + C, tl.full(dq_sums.shape, 0.0, ACC), 3 * C, rows_left, offs_d,
+                          d_ok)
+        _store_grain_rows(base + 2 * C, _grain_sums(do.to(ACC), m_ok, GRAIN), 3 * C, rows_left,
+                          offs_d, d_ok)
 
 
 def _loads_through_tma(*operands: torch.Tensor) -> bool:
@@ -431,22 +473,35 @@ def grad_buffer(q: torch.Tensor) -> torch.Tensor:
 
 
 def attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  o: torch.Tensor, lse: torch.Tensor, causal: bool, softmax_scale: float):
-    """Gradients stacked: (3, B, H, T, D) = [dq, dk, dv], laid out by grad_buffer."""
+                  o: torch.Tensor, lse: torch.Tensor, causal: bool, softmax_scale: float,
+                  bias_grad_dtype: torch.dtype | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Gradients stacked: (3, B, H, T, D) = [dq, dk, dv], laid out by grad_buffer; and, for
+    a bias_grad_dtype, the gradient (3 * H * D,) in that dtype of a bias b = [b_q | b_k |
+    b_v] added to q, k, v before the attention (by the projection that made them), else
+    None. Its sums come from the dq kernel, without reading dq, dk, dv again: b_q's
+    gradient is dq's column sums; b_k's is zero (it adds q_i . b_k to every score of row
+    i, which the softmax cancels); b_v's is dO's column sums (every row of probabilities
+    sums to one, so b_v passes to the output unchanged). Each query row sees a key (causal
+    or not), so the last two hold exactly."""
     B, H, T, D, block_d, acc, qk_scale = _common_args(q, softmax_scale)
     delta = torch.empty_like(lse)  # rowsum(dO * O): written by the dq kernel
     grads = grad_buffer(q)
     dq, dk, dv = grads.unbind(0)
+    bias_sums = bias_grad_dtype is not None
+    parts = (torch.empty((B * triton.cdiv(T, BIAS_GRAIN), 3 * H * D), device=q.device,
+                         dtype=stat_dtype(q)) if bias_sums else delta)  # delta: not written
     args = (qk_scale, softmax_scale, H, T, D, triton.next_power_of_2(T), B * H,
             _heads_per_group(q, causal),
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride())
     meta = dict(CAUSAL=causal, ACC=acc, PRECISION=dot_precision(q), BLOCK_D=block_d,
                 TMA=_loads_through_tma(q, k, v, do))
     _attn_bwd_dq_kernel[_grid("BLOCK_M", T, B * H)](
-        q, k, v, do, lse, delta, dq, *args, o, *o.stride(), **meta)
+        q, k, v, do, lse, delta, dq, parts, *args, o, *o.stride(), BIAS_SUMS=bias_sums,
+        GRAIN=BIAS_GRAIN, **meta)
     _attn_bwd_dkdv_kernel[_grid("BLOCK_N", T, B * H)](
         q, k, v, do, lse, delta, dk, dv, *args, **meta)
-    return grads
+    return grads, bias_grad(parts, bias_grad_dtype) if bias_sums else None
 
 
 def default_scale(head_dim: int) -> float:

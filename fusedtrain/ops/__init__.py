@@ -9,8 +9,10 @@ from fusedtrain.ops.layernorm import add_layer_norm, layer_norm, layer_norm_gelu
 from fusedtrain.ops.linear import linear
 from fusedtrain.ops.linear_gelu import fused_mlp, linear_gelu
 from fusedtrain.ops.qkv import qkv_projection
+from fusedtrain.ops.qkv_attention import qkv_attention
 
 __all__ = [
     "add_layer_norm", "cross_entropy", "embedding", "flash_attention", "fused_mlp", "layer_norm",
-    "layer_norm_gelu", "linear", "linear_gelu", "qkv_projection", "register_inductor_fallbacks",
+    "layer_norm_gelu", "linear", "linear_gelu", "qkv_attention", "qkv_projection",
+    "register_inductor_fallbacks",
 ]

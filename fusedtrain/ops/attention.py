@@ -14,27 +14,34 @@ Tensor = torch.Tensor
 
 
 @launcher("attention_fwd")
-def _attention_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool,
+def attention_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool,
                    softmax_scale: float) -> tuple[Tensor, Tensor]:
     return K.attention_fwd(q, k, v, causal, softmax_scale)
 
 
-@_attention_fwd.register_fake
+@attention_fwd.register_fake
 def _(q, k, v, causal, softmax_scale):
     return K.output_buffer(q), q.new_empty(q.shape[:3], dtype=stat_dtype(q))
 
 
 @launcher("attention_bwd")
-def _attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
-                   causal: bool, softmax_scale: float) -> Tensor:
+def attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
+                   causal: bool, softmax_scale: float,
+                   bias_grad_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
     """(3, B, H, T, D): dq, dk, dv in one buffer laid out as K.grad_buffer (a custom op's
-    outputs may not alias, so the three views are taken by the caller)."""
-    return K.attention_bwd(do, q, k, v, o, lse, causal, softmax_scale)
+    outputs may not alias, so the three views are taken by the caller); and the gradient
+    (3C,) of a bias added to q, k, v before the attention, in bias_grad_dtype, or an empty
+    tensor without one (see K.attention_bwd)."""
+    grads, db = K.attention_bwd(do, q, k, v, o, lse, causal, softmax_scale, bias_grad_dtype)
+    return grads, db if db is not None else q.new_empty(0)
 
 
-@_attention_bwd.register_fake
-def _(do, q, k, v, o, lse, causal, softmax_scale):
-    return K.grad_buffer(q)
+@attention_bwd.register_fake
+def _(do, q, k, v, o, lse, causal, softmax_scale, bias_grad_dtype=None):
+    B, H, T, D = q.shape
+    db = (q.new_empty(3 * H * D, dtype=bias_grad_dtype) if bias_grad_dtype is not None
+          else q.new_empty(0))
+    return K.grad_buffer(q), db
 
 
 def _attention_flops(q_shape, causal: bool, matmuls: int) -> int:
@@ -58,7 +65,7 @@ class FlashAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: float):
-        o, lse = _attention_fwd(q, k, v, causal, softmax_scale)
+        o, lse = attention_fwd(q, k, v, causal, softmax_scale)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.causal, ctx.softmax_scale = causal, softmax_scale
         return o
@@ -66,9 +73,21 @@ class FlashAttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do: Tensor):
         q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = _attention_bwd(
-            do, q, k, v, o, lse, ctx.causal, ctx.softmax_scale).unbind(0)
+        grads, _ = attention_bwd(do, q, k, v, o, lse, ctx.causal, ctx.softmax_scale)
+        dq, dk, dv = grads.unbind(0)
         return dq, dk, dv, None, None
+
+
+def checked_scale(head_dim: int, softmax_scale: float | None) -> float:
+    """The softmax scale for a head dim the kernels take (ValueError otherwise);
+    softmax_scale defaults to 1 / sqrt(head_dim)."""
+    if not 1 <= head_dim <= K.MAX_HEAD_DIM:
+        raise ValueError(f"head dim D={head_dim} is not supported: the kernel takes 1 <= D <= "
+                         f"{K.MAX_HEAD_DIM}")
+    scale = K.default_scale(head_dim) if softmax_scale is None else float(softmax_scale)
+    if not scale > 0:
+        raise ValueError(f"softmax_scale must be positive, got {softmax_scale}")
+    return scale
 
 
 def flash_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True,
@@ -85,13 +104,7 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True,
     if k.shape != q.shape or v.shape != q.shape:
         raise ValueError(f"q, k, v must have the same shape (B, H, T, D); got q "
                          f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    D = q.shape[-1]
-    if not 1 <= D <= K.MAX_HEAD_DIM:
-        raise ValueError(f"head dim D={D} is not supported: the kernel takes 1 <= D <= "
-                         f"{K.MAX_HEAD_DIM}")
-    scale = K.default_scale(D) if softmax_scale is None else float(softmax_scale)
-    if not scale > 0:
-        raise ValueError(f"softmax_scale must be positive, got {softmax_scale}")
+    scale = checked_scale(q.shape[-1], softmax_scale)
     q, k, v = autocast_cast(q, k, v)
     check_same("q", q, k=k, v=v)
     if q.numel() == 0:

@@ -16,12 +16,12 @@ Tensor = torch.Tensor
 
 
 @launcher("qkv_fwd")
-def _qkv_fwd(x: Tensor, weight: Tensor, bias: Tensor | None,
+def qkv_fwd(x: Tensor, weight: Tensor, bias: Tensor | None,
              n_heads: int) -> tuple[Tensor, Tensor, Tensor]:
     return K.qkv_fwd(x, weight, bias, n_heads)
 
 
-@_qkv_fwd.register_fake
+@qkv_fwd.register_fake
 def _(x, weight, bias, n_heads):
     B, T, C = x.shape
     return tuple(x.new_empty((B, n_heads, T, C // n_heads)) for _ in range(3))
@@ -64,7 +64,7 @@ def _packed(dq: Tensor, dk: Tensor, dv: Tensor) -> Tensor | None:
 
 
 @launcher("qkv_bwd")
-def _qkv_bwd(dq: Tensor, dk: Tensor, dv: Tensor, x: Tensor, weight: Tensor,
+def qkv_bwd(dq: Tensor, dk: Tensor, dv: Tensor, x: Tensor, weight: Tensor,
              with_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
     """(dx, dW, db): db the sums (accumulated in fp32, fp64) in the gradients' dtype, empty
     unless with_bias. The layout is looked
@@ -84,7 +84,7 @@ def _qkv_bwd(dq: Tensor, dk: Tensor, dv: Tensor, x: Tensor, weight: Tensor,
     return dx, dw, db if db is not None else dq.new_empty(0)
 
 
-@_qkv_bwd.register_fake
+@qkv_bwd.register_fake
 def _(dq, dk, dv, x, weight, with_bias):
     B, H, T, D = dq.shape
     C = H * D
@@ -101,23 +101,21 @@ def _(dq_shape, *args, **kwargs) -> int:
 class QKVProjectionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, n_heads: int):
-        q, k, v = _qkv_fwd(x, weight, bias, n_heads)
+        q, k, v = qkv_fwd(x, weight, bias, n_heads)
         ctx.save_for_backward(x, weight, bias)
         return q, k, v
 
     @staticmethod
     def backward(ctx, dq: Tensor, dk: Tensor, dv: Tensor):
         x, weight, bias = ctx.saved_tensors
-        dx, dw, db = _qkv_bwd(dq, dk, dv, x, weight, bias is not None)
+        dx, dw, db = qkv_bwd(dq, dk, dv, x, weight, bias is not None)
         return dx, dw, None if bias is None else db, None
 
 
-def qkv_projection(x: Tensor, weight: Tensor, bias: Tensor | None,
-                   n_heads: int) -> tuple[Tensor, Tensor, Tensor]:
-    """One GEMM over weight = [Wq|Wk|Wv] writing q, k, v head-split.
-
-    x: (B, T, C), weight: (3C, C), bias: (3C,) -> q, k, v: (B, n_heads, T, C // n_heads).
-    """
+def checked_args(x: Tensor, weight: Tensor, bias: Tensor | None,
+                 n_heads: int) -> tuple[Tensor, Tensor, Tensor | None]:
+    """qkv_projection's arguments validated (ValueError/TypeError naming the argument)
+    and cast as autocast would cast them."""
     check_tensor("x", x, ndim=3)
     check_tensor("weight", weight, ndim=2)
     if not isinstance(n_heads, int) or n_heads <= 0:
@@ -134,6 +132,16 @@ def qkv_projection(x: Tensor, weight: Tensor, bias: Tensor | None,
             raise ValueError(f"bias has shape {tuple(bias.shape)}, expected ({3 * C},)")
     x, weight, bias = autocast_cast(x, weight, bias)
     check_same("x", x, weight=weight, bias=bias)
+    return x, weight, bias
+
+
+def qkv_projection(x: Tensor, weight: Tensor, bias: Tensor | None,
+                   n_heads: int) -> tuple[Tensor, Tensor, Tensor]:
+    """One GEMM over weight = [Wq|Wk|Wv] writing q, k, v head-split.
+
+    x: (B, T, C), weight: (3C, C), bias: (3C,) -> q, k, v: (B, n_heads, T, C // n_heads).
+    """
+    x, weight, bias = checked_args(x, weight, bias, n_heads)
     if x.numel() == 0:
         return eager.qkv_projection(x, weight, bias, n_heads)
     return QKVProjectionFunction.apply(x, weight, bias, n_heads)

@@ -1,0 +1,54 @@
+"""The QKV projection and flash attention as one differentiable op: x (B, T, C) -> o.
+
+The forward is the two fused ops' kernels back to back (the projection's epilogue adds
+the bias). The pairing pays in the backward: the projection alone gets its bias gradient
+from a column-sum pass over the (B*T, 3C) gradient [dq | dk | dv]; here the attention's
+dq kernel sums it on the way (kernels.attention.attention_bwd), and the projection's
+backward is its two GEMMs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fusedtrain.ops.attention import attention_bwd, attention_fwd, checked_scale, flash_attention
+from fusedtrain.ops.qkv import checked_args, qkv_bwd, qkv_fwd, qkv_projection
+
+Tensor = torch.Tensor
+
+
+class QKVAttentionFunction(torch.autograd.Function):
+    """Saves what the two ops save: x and the weight (the projection), q, k, v, o and the
+    row log-sum-exp (the attention)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, n_heads: int,
+                causal: bool, softmax_scale: float):
+        q, k, v = qkv_fwd(x, weight, bias, n_heads)
+        o, lse = attention_fwd(q, k, v, causal, softmax_scale)
+        ctx.save_for_backward(x, weight, q, k, v, o, lse)
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        ctx.causal, ctx.softmax_scale = causal, softmax_scale
+        return o
+
+    @staticmethod
+    def backward(ctx, do: Tensor):
+        x, weight, q, k, v, o, lse = ctx.saved_tensors
+        grads, db = attention_bwd(do, q, k, v, o, lse, ctx.causal, ctx.softmax_scale,
+                                  ctx.bias_dtype)
+        dx, dw, _ = qkv_bwd(*grads.unbind(0), x, weight, False)
+        return dx, dw, None if ctx.bias_dtype is None else db, None, None, None
+
+
+def qkv_attention(x: Tensor, weight: Tensor, bias: Tensor | None, n_heads: int,
+                  causal: bool = True, softmax_scale: float | None = None) -> Tensor:
+    """flash_attention(*qkv_projection(x, weight, bias, n_heads), causal, softmax_scale).
+
+    x: (B, T, C), weight: (3C, C), bias: (3C,) -> o: (B, n_heads, T, C // n_heads), stored
+    as (B, T, n_heads, C // n_heads) (see flash_attention).
+    """
+    x, weight, bias = checked_args(x, weight, bias, n_heads)
+    scale = checked_scale(x.shape[-1] // n_heads, softmax_scale)
+    if x.numel() == 0:
+        return flash_attention(*qkv_projection(x, weight, bias, n_heads), causal, scale)
+    return QKVAttentionFunction.apply(x, weight, bias, n_heads, bool(causal), scale)
