@@ -370,6 +370,18 @@ def _attn_bwd_dq_kernel(
     q = _load_rows(_slice_base(q_ptr, bh, H, s_qb, s_qh), offs_m, offs_d, s_qt, s_qd, m_ok, d_ok)
     do = _load_rows(_slice_base(do_ptr, bh, H, s_gb, s_gh), offs_m, offs_d, s_gt, s_gd, m_ok,
                     d_ok)
+    if BIAS_SUMS:
+        # Row (batch, query grain) of the (B * T / GRAIN, 3, H, D) partial sums, at head h:
+        # [dq's column sums | 0 | dO's] (the bias gradients, see attention_bwd). dO's and
+        # the zeros are stored before the loop, so that nothing of them stays live in it.
+        C = H * D
+        grain_row = (bh // H).to(tl.int64) * cdiv(T, GRAIN) + start_m // GRAIN
+        rows_left = cdiv(T - start_m, GRAIN)
+        do_sums = _grain_sums(do.to(ACC), m_ok, GRAIN)
+        base = part_ptr + grain_row * 3 * C + (bh % H) * D
+        _store_grain_rows(base + C, tl.full(do_sums.shape, 0.0, ACC), 3 * C, rows_left, offs_d,
+                          d_ok)
+        _store_grain_rows(base + 2 * C, do_sums, 3 * C, rows_left, offs_d, d_ok)
     lse = tl.load(lse_ptr + bh.to(tl.int64) * T + offs_m, mask=m_ok, other=0.0)
     o = _load_rows(_slice_base(o_ptr, bh, H, s_ob, s_oh), offs_m, offs_d, s_ot, s_od, m_ok, d_ok)
     delta = row_sum(o.to(ACC) * do.to(ACC), 1)
@@ -386,18 +398,11 @@ def _attn_bwd_dq_kernel(
     _store_rows(_slice_base(dq_ptr, bh, H, s_db, s_dh), dq, offs_m, offs_d, s_dt, s_dd, m_ok,
                 d_ok)
     if BIAS_SUMS:
-        # Row (batch, query grain) of the (B * T / GRAIN, 3, H, D) partial sums, at head h:
-        # [dq's column sums | 0 | dO's] (the bias gradients, see attention_bwd).
         C = H * D
         grain_row = (bh // H).to(tl.int64) * cdiv(T, GRAIN) + start_m // GRAIN
-        base = part_ptr + grain_row * 3 * C + (bh % H) * D
-        rows_left = cdiv(T - start_m, GRAIN)
-        dq_sums = _grain_sums(dq, m_ok, GRAIN)
-        _store_grain_rows(base, dq_sums, 3 * C, rows_left, offs_d, d_ok)
-        _store_grain_rows(base + C, tl.full(dq_sums.shape, 0.0, ACC), 3 * C, rows_left, offs_d,
+        _store_grain_rows(part_ptr + grain_row * 3 * C + (bh % H) * D,
+                          _grain_sums(dq, m_ok, GRAIN), 3 * C, cdiv(T - start_m, GRAIN), offs_d,
                           d_ok)
-        _store_grain_rows(base + 2 * C, _grain_sums(do.to(ACC), m_ok, GRAIN), 3 * C, rows_left,
-                          offs_d, d_ok)
 
 
 def _loads_through_tma(*operands: torch.Tensor) -> bool:
