@@ -3,7 +3,7 @@ backward sums the projection's bias gradient."""
 
 import pytest
 import torch
-from conftest import check_against_oracle, grads_of
+from conftest import check_against_oracle, grads_of, max_err
 from torch.autograd import gradcheck
 
 from fusedtrain import eager, ops
@@ -72,8 +72,25 @@ def test_bad_inputs():
 @pytest.mark.gpu
 @pytest.mark.parametrize("B,T,C,H", [(16, 1024, 768, 12), (8, 2048, 2048, 16)])
 def test_gpu_bf16_accuracy(B, T, C, H):
-    x, w, b = (t.detach().cuda().bfloat16().requires_grad_()
-               for t in _inputs(B, T, C, dtype=torch.float32))
-    check_against_oracle(lambda *a: ops.qkv_attention(*a, H),
-                         lambda *a: eager.qkv_attention(*a, H), (x, w, b), 1e-2, 1e-2,
-                         "qkv_attention")
+    """DESIGN.md's rule (fused error against fp64 <= 2 x the eager twin's + atol) on each
+    output and gradient's largest error over three draws. The weight gradient sums B*T
+    tokens' products into values of up to ~190 at gpt2's shape, whose largest error is a
+    few bf16 ulps (one ulp = 1 there) and moves between draws by as much as the rule
+    allows: eager's went from 1.89 to 3.18 over ten draws, the fused ops' (this op's are
+    theirs) from 2.4 to 3.8 (docs/perf-notes.md, sixteenth round). One draw's maximum
+    failed the rule once (3.83 against 1.89); the maximum over three draws does not depend
+    on one lucky draw of the eager op."""
+    worst = {"fused": [0.0] * 4, "eager": [0.0] * 4}
+    for _ in range(3):
+        x, w, b = (t.detach().cuda() for t in _inputs(B, T, C, dtype=torch.float32))
+        g = (torch.randn(B, H, T, C // H, dtype=torch.float64),)  # a fresh upstream gradient
+        ref_in = [t.double().requires_grad_() for t in (x, w, b)]
+        refs, ref_g, _ = grads_of(lambda *a: eager.qkv_attention(*a, H), ref_in, g)
+        low = [t.bfloat16().requires_grad_() for t in (x, w, b)]
+        for name, fn in (("fused", ops.qkv_attention), ("eager", eager.qkv_attention)):
+            outs, grads, _ = grads_of(lambda *a, fn=fn: fn(*a, H), low, g)
+            for i, (got, want) in enumerate(zip(outs + tuple(grads), refs + tuple(ref_g))):
+                worst[name][i] = max(worst[name][i], max_err(got, want))
+    for i, what in enumerate(["output", "grad of x", "grad of weight", "grad of bias"]):
+        f, e = worst["fused"][i], worst["eager"][i]
+        assert f <= 2 * e + 1e-2, f"{what}: fused error {f:.3g} > 2 x eager error {e:.3g} + 0.01"
