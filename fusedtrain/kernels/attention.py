@@ -397,7 +397,7 @@ def _attn_bwd_dq_kernel(
     dq = dq * sm_scale
     _store_rows(_slice_base(dq_ptr, bh, H, s_db, s_dh), dq, offs_m, offs_d, s_dt, s_dd, m_ok,
                 d_ok)
-    if BIAS_SUMS:
+    if BIAS_SUMS:  # dq's column sums; the row recomputed, not kept live through the loop
         C = H * D
         grain_row = (bh // H).to(tl.int64) * cdiv(T, GRAIN) + start_m // GRAIN
         _store_grain_rows(part_ptr + grain_row * 3 * C + (bh % H) * D,
