@@ -10,6 +10,7 @@ machine's (put that version first on PYTHONPATH, e.g. `pip install --no-deps --t
 triton==3.6.0`): the figures guide, the GPU decides.
 
   python scripts/compile_report.py [--head-dim 128] [--causal] [--kernels fwd dkdv dq]
+                                   [--bias-sums]
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ _INTS = ["H", "T", "D", "T_BUCKET", "BH", "GROUP"] + [f"s_{t}{d}" for t in "qkvo
 SIGNATURE = {**{n: "i32" for n in _INTS},
              **{n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "o_ptr", "do_ptr", "dq_ptr",
                                      "dk_ptr", "dv_ptr")},
-             **{n: "*fp32" for n in ("lse_ptr", "delta_ptr")},
+             **{n: "*fp32" for n in ("lse_ptr", "delta_ptr", "part_ptr")},
              "qk_scale": "fp32", "sm_scale": "fp32"}
 KERNELS = {"fwd": (A._attn_fwd_kernel, A.FWD_CONFIGS),
            "dkdv": (A._attn_bwd_dkdv_kernel, A.BWD_KV_CONFIGS),
@@ -94,9 +95,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--head-dim", type=int, default=128, help="BLOCK_D (16, 32, 64 or 128)")
     p.add_argument("--causal", action="store_true")
     p.add_argument("--kernels", nargs="+", choices=list(KERNELS), default=list(KERNELS))
+    p.add_argument("--bias-sums", action="store_true",
+                   help="the dq kernel also sums the QKV bias gradient (ops.qkv_attention)")
     args = p.parse_args(argv)
     constexprs = dict(CAUSAL=args.causal, ACC=tl.float32, PRECISION="tf32",
-                      BLOCK_D=args.head_dim, TMA=True)
+                      BLOCK_D=args.head_dim, TMA=True, BIAS_SUMS=args.bias_sums,
+                      GRAIN=A.BIAS_GRAIN)
     print(f"triton {triton.__version__}, target sm_90, bf16, head dim {args.head_dim}, "
           f"{'causal' if args.causal else 'full'}")
     for name in args.kernels:

@@ -67,13 +67,15 @@ def test_host_overhead_without_a_gpu_says_so():
     assert "needs a CUDA GPU" in r.stderr
 
 
-def test_compile_report_compiles_the_attention_configs_for_hopper_without_a_gpu(tmp_path):
-    """scripts/compile_report.py: every dq config of the autotuner, compiled for sm_90 by
-    triton's CUDA backend on this (CPU) machine, with its registers, stack and shared
-    memory read back from the cubin."""
+@pytest.mark.parametrize("flags", [[], ["--bias-sums"]])
+def test_compile_report_compiles_the_attention_configs_for_hopper_without_a_gpu(tmp_path, flags):
+    """scripts/compile_report.py: every dq config of the autotuner (with and without the
+    QKV bias gradient's sums), compiled for sm_90 by triton's CUDA backend on this (CPU)
+    machine, with its registers, stack and shared memory read back from the cubin."""
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "compile_report.py"),
-                        "--head-dim", "64", "--kernels", "dq"], capture_output=True, text=True,
-                       timeout=600, env={**os.environ, "TRITON_CACHE_DIR": str(tmp_path)})
+                        "--head-dim", "64", "--kernels", "dq", *flags], capture_output=True,
+                       text=True, timeout=600,
+                       env={**os.environ, "TRITON_CACHE_DIR": str(tmp_path)})
     assert r.returncode == 0, r.stderr[-3000:]
     rows = re.findall(r"dq +BLOCK_M +(\d+) BLOCK_N +(\d+) warps +(\d+) stages (\d): +(\d+) "
                       r"registers, +(\d+) B stack, +(\d+) KiB shared", r.stdout)
