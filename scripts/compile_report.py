@@ -1,6 +1,8 @@
-"""Compile the attention kernels' autotune configs for a Hopper GPU (sm_90) on a machine
-without one, and print what each costs in registers, stack (register spills) and shared
-memory per config: a look at register pressure before spending device time.
+"""Compile the attention kernels' autotune configs, and the persistent TMA GEMMs (the
+Linear+GELU/MLP and QKV kernels) at their table's tiles, for a Hopper GPU (sm_90) on a
+machine without one, and print what each costs in registers, stack (register spills) and
+shared memory per config: a look at register pressure, and a check that the GPU's Triton
+compiles them at all, before spending device time.
 
 Triton's CUDA backend compiles without a GPU (its bundled ptxas), and the bundled
 cuobjdump reads the resources of the result. Arguments are specialised as at a benchmark
@@ -9,8 +11,8 @@ multiples of 16). The compiler is this machine's triton, which may differ from t
 machine's (put that version first on PYTHONPATH, e.g. `pip install --no-deps --target DIR
 triton==3.6.0`): the figures guide, the GPU decides.
 
-  python scripts/compile_report.py [--head-dim 128] [--causal] [--kernels fwd dkdv dq]
-                                   [--bias-sums]
+  python scripts/compile_report.py [--head-dim 128] [--causal] [--bias-sums]
+      [--kernels fwd dkdv dq linear_gelu_fwd dgelu gelu_rhs qkv_fwd qkv_dx]
 """
 
 from __future__ import annotations
@@ -34,20 +36,41 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from fusedtrain.kernels import attention as A  # noqa: E402
+from fusedtrain.kernels import linear_gelu as LG  # noqa: E402
+from fusedtrain.kernels import qkv as Q  # noqa: E402
+from fusedtrain.kernels._common import FAST_TANH  # noqa: E402
+from fusedtrain.kernels._tma import tma_config  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
-# Argument types of the attention kernels (bf16 data, fp32 statistics, i32 sizes/strides).
-_INTS = ["H", "T", "D", "T_BUCKET", "BH", "GROUP"] + [f"s_{t}{d}" for t in "qkvogd" for d in "bhtd"]
-SIGNATURE = {**{n: "i32" for n in _INTS},
-             **{n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "o_ptr", "do_ptr", "dq_ptr",
-                                     "dk_ptr", "dv_ptr")},
-             **{n: "*fp32" for n in ("lse_ptr", "delta_ptr", "part_ptr")},
-             "qk_scale": "fp32", "sm_scale": "fp32"}
+# fp32 buffers: the attention's statistics, partial sums, the split-K dW2 sum (REDUCE).
+FP32_POINTERS = ("lse_ptr", "delta_ptr", "part_ptr", "c_ptr")
+
+
+def argument_type(name: str) -> str:
+    """A kernel argument's type as at a bf16 benchmark shape: pointers to bf16 data (fp32
+    for FP32_POINTERS), fp32 softmax scales, i32 sizes and strides."""
+    if name.endswith("_ptr"):
+        return "*fp32" if name in FP32_POINTERS else "*bf16"
+    return "fp32" if name in ("qk_scale", "sm_scale") else "i32"
+
+
+def _table_config() -> triton.Config:
+    """The TMA GEMMs' tiles from their measured table (tma_config), at a 3072-wide output."""
+    meta = tma_config(3072).meta()
+    warps, stages = meta.pop("num_warps"), meta.pop("num_stages")
+    return triton.Config(meta, num_warps=warps, num_stages=stages)
+
+
 KERNELS = {"fwd": (A._attn_fwd_kernel, A.FWD_CONFIGS),
            "dkdv": (A._attn_bwd_dkdv_kernel, A.BWD_KV_CONFIGS),
-           "dq": (A._attn_bwd_dq_kernel, A.BWD_Q_CONFIGS)}
+           "dq": (A._attn_bwd_dq_kernel, A.BWD_Q_CONFIGS),
+           "linear_gelu_fwd": (LG._linear_gelu_fwd_tma_kernel, [_table_config()]),
+           "dgelu": (LG._matmul_dgelu_tma_kernel, [_table_config()]),
+           "gelu_rhs": (LG._matmul_gelu_rhs_tma_kernel, [_table_config()]),
+           "qkv_fwd": (Q._qkv_fwd_tma_kernel, [_table_config()]),
+           "qkv_dx": (Q._qkv_dx_tma_kernel, [_table_config()])}
 
 
 def jit_function(kernel) -> triton.runtime.jit.JITFunction:
@@ -63,7 +86,7 @@ def compile_config(kernel, config: triton.Config, constexprs: dict):
     unit_strides = {f"s_{t}d": 1 for t in "qkvogd"}
     consts = {n: v for n, v in {**unit_strides, **constexprs, **config.kwargs}.items()
               if n in fn.arg_names}
-    signature = {n: "constexpr" if n in consts else SIGNATURE[n] for n in fn.arg_names}
+    signature = {n: "constexpr" if n in consts else argument_type(n) for n in fn.arg_names}
     # What triton's launcher tells the compiler at a benchmark shape: the unit strides of
     # the head dimension are the constant 1, every pointer is 16-byte aligned and every
     # other integer (sizes, strides) a multiple of 16. Without it, loads would compile to
@@ -92,15 +115,22 @@ def resources(compiled) -> dict[str, int]:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--head-dim", type=int, default=128, help="BLOCK_D (16, 32, 64 or 128)")
+    p.add_argument("--head-dim", type=int, default=128,
+                   help="the attention's BLOCK_D (16, 32, 64 or 128), and the QKV forward's D")
     p.add_argument("--causal", action="store_true")
     p.add_argument("--kernels", nargs="+", choices=list(KERNELS), default=list(KERNELS))
     p.add_argument("--bias-sums", action="store_true",
                    help="the dq kernel also sums the QKV bias gradient (ops.qkv_attention)")
     args = p.parse_args(argv)
+    # Each kernel takes the ones it names: the attention's, then the GEMMs' epilogues as
+    # the fused gpt2 step runs them (bias, h stored, tanh GELU, column sums, split-K sums
+    # added in place, q, k, v stored a head at a time when the head dim allows).
+    block_n = _table_config().kwargs["BLOCK_N"]
     constexprs = dict(CAUSAL=args.causal, ACC=tl.float32, PRECISION="tf32",
                       BLOCK_D=args.head_dim, TMA=True, BIAS_SUMS=args.bias_sums,
-                      GRAIN=A.BIAS_GRAIN)
+                      GRAIN=A.BIAS_GRAIN, HAS_BIAS=True, STORE_H=True, APPROX=FAST_TANH.value,
+                      COL_SUMS=True, REDUCE=True,
+                      HEAD_D=args.head_dim if args.head_dim in (block_n // 2, block_n // 4) else 0)
     print(f"triton {triton.__version__}, target sm_90, bf16, head dim {args.head_dim}, "
           f"{'causal' if args.causal else 'full'}")
     for name in args.kernels:
