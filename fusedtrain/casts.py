@@ -77,14 +77,20 @@ def grouped_casts(*params: torch.Tensor | None) -> Iterator[None]:
         _PREPARED.reset(token)
 
 
+def _prepared_copy(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """grouped_casts' copy of t in `dtype`, if the block being run holds one."""
+    if torch.compiler.is_compiling():
+        return None
+    copy = _PREPARED.get().get(id(t))
+    return copy if copy is not None and copy.dtype == dtype else None
+
+
 def has_prepared_cast(t: torch.Tensor, dtype: torch.dtype) -> bool:
     """Whether grouped_casts holds a copy of t in `dtype` (prepared_cast would return it)."""
-    if torch.compiler.is_compiling():
-        return False
-    copy = _PREPARED.get().get(id(t))
-    return copy is not None and copy.dtype == dtype
+    return _prepared_copy(t, dtype) is not None
 
 
 def prepared_cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """t in `dtype`: its grouped_casts copy when there is one, else t.to(dtype)."""
-    return _PREPARED.get()[id(t)] if has_prepared_cast(t, dtype) else t.to(dtype)
+    copy = _prepared_copy(t, dtype)
+    return copy if copy is not None else t.to(dtype)
