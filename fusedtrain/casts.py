@@ -1,12 +1,15 @@
-"""Grouped autocast casts of the weights the fused ops read.
+"""Autocast casts of the weights the fused ops read: inside the ops, grouped per block.
 
-Under autocast each op casts its fp32 weight and bias to the autocast dtype, one small
-kernel per tensor per step, and autograd casts each gradient back with another: about 150
-launches a GPT-2 step for the fused ops' parameters alone (docs/perf-notes.md, thirteenth
-round). Inside `grouped_casts(*params)` those parameters are cast once, all together, by
-one multi-tensor copy (one autograd node, whose backward turns all their gradients back
-in another), and the fused ops' autocast step (`prepared_cast`) picks the copies up. The
-values are the same bits either way: one rounding from fp32, and the exact widening back.
+Under autocast F.linear casts its fp32 weight and bias to the autocast dtype, one small
+kernel per tensor per step, and autograd casts each gradient back with another. The fused
+ops instead take their parameters in their own dtype and cast them inside their
+autograd.Function (`cast_params`), whose backward returns the gradients in the
+parameters' dtype straight from its GEMMs and column sums (fp32 accumulators written as
+fp32: no bf16 gradient rounded, then widened by a second pass). Inside
+`grouped_casts(*params)` the casts themselves are made once, all together, by one
+multi-tensor copy (thirteenth round of docs/perf-notes.md: about 150 launches a GPT-2 step
+otherwise), and `cast_params` picks the copies up. The forward values are the same bits
+either way: one rounding from fp32.
 """
 
 from __future__ import annotations
@@ -24,26 +27,6 @@ _PREPARED: ContextVar[MappingProxyType] = ContextVar("fusedtrain_casts",
                                                    default=MappingProxyType({}))
 
 
-class _CastAll(torch.autograd.Function):
-    """params -> copies in `dtype`; gradients back to each parameter's own dtype. One
-    multi-tensor kernel (a few, for many bytes) each way, instead of one per tensor."""
-
-    @staticmethod
-    def forward(ctx, dtype: torch.dtype, *params: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.dtypes = [p.dtype for p in params]
-        copies = [torch.empty_like(p, dtype=dtype) for p in params]
-        torch._foreach_copy_(copies, list(params))
-        return tuple(copies)
-
-    @staticmethod
-    def backward(ctx, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        # Separate tensors, not views of one buffer: autograd then hands each to its
-        # parameter's .grad without another copy.
-        widened = [torch.empty_like(g, dtype=d) for g, d in zip(grads, ctx.dtypes)]
-        torch._foreach_copy_(widened, list(grads))
-        return (None, *widened)
-
-
 def autocast_dtype(t: torch.Tensor) -> torch.dtype | None:
     """The autocast dtype in force for t's device, or None."""
     dev = t.device.type
@@ -55,20 +38,19 @@ def autocast_dtype(t: torch.Tensor) -> torch.dtype | None:
 @contextmanager
 def grouped_casts(*params: torch.Tensor | None) -> Iterator[None]:
     """Within the block, `params` (None entries skipped) are cast to the autocast dtype
-    once, together. Does nothing outside autocast, under torch.compile (Inductor fuses
-    the casts itself) and for parameters already in that dtype (FSDP's mixed precision).
-    Frozen parameters keep their own casts: in the group their copies would need
-    gradients, and the ops would compute them. Every parameter given must be read
-    through `prepared_cast` in the block (a copy nobody reads would get no gradient)."""
+    once, together, for `cast_params` to return. The copies carry no autograd history:
+    only an op that returns the parameter's gradient itself may read them, as the fused
+    ops do. Does nothing outside autocast, under torch.compile (Inductor fuses the casts
+    itself) and for parameters already in that dtype (FSDP's mixed precision)."""
     params = [p for p in params if p is not None]
     dtype = autocast_dtype(params[0]) if params else None
-    grads = torch.is_grad_enabled()
-    params = [p for p in params if p.is_floating_point() and p.dtype != dtype
-              and (p.requires_grad or not grads)]
+    params = [p for p in params if p.is_floating_point() and p.dtype != dtype]
     if dtype is None or not params or torch.compiler.is_compiling():
         yield
         return
-    copies = _CastAll.apply(dtype, *params)
+    with torch.no_grad():
+        copies = [torch.empty_like(p, dtype=dtype) for p in params]
+        torch._foreach_copy_(copies, params)
     token = _PREPARED.set(MappingProxyType(
         {**_PREPARED.get(), **{id(p): c for p, c in zip(params, copies)}}))
     try:
@@ -85,12 +67,16 @@ def _prepared_copy(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
     return copy if copy is not None and copy.dtype == dtype else None
 
 
-def has_prepared_cast(t: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Whether grouped_casts holds a copy of t in `dtype` (prepared_cast would return it)."""
-    return _prepared_copy(t, dtype) is not None
+def cast_params(dtype: torch.dtype | None,
+                *params: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """params in `dtype` (None: unchanged), each from grouped_casts' copy when there is one,
+    else cast here. For an autograd.Function's forward: the copies carry no gradient, so
+    the Function must return each parameter's gradient itself, in its own dtype."""
+    if dtype is None:
+        return params
+    return tuple(None if p is None else _cast(p, dtype) for p in params)
 
 
-def prepared_cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """t in `dtype`: its grouped_casts copy when there is one, else t.to(dtype)."""
-    copy = _prepared_copy(t, dtype)
-    return copy if copy is not None else t.to(dtype)
+def _cast(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    copy = _prepared_copy(p, dtype)
+    return copy if copy is not None else p.to(dtype)

@@ -1,5 +1,5 @@
-"""fusedtrain.casts: a block's fused-op weights cast together under autocast, with the
-same values and gradients as casting each in its op."""
+"""fusedtrain.casts: the fused ops cast their weights themselves under autocast, a block's
+together, with the same values and gradients as casting each in its op."""
 
 import contextlib
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import fusedtrain.model as model_module
-from fusedtrain.casts import grouped_casts, prepared_cast
+from fusedtrain.casts import cast_params, grouped_casts
 from fusedtrain.model import GPT, GPTConfig
 
 FUSED_LINEARS = dict(mlp=True, qkv=True, attention=False, layernorm=True, cross_entropy=False)
@@ -19,73 +19,70 @@ def _tiny(kernels: dict) -> GPT:
                          kernels=kernels))
 
 
-def _graph_nodes(root) -> list[str]:
-    seen, stack, names = set(), [root], []
+def _cast_leaves(root) -> set[int]:
+    """ids of the leaf tensors whose gradient comes back through an autograd cast node."""
+    seen, stack, leaves = set(), [root], set()
     while stack:
         node = stack.pop()
         if node is None or node in seen:
             continue
         seen.add(node)
-        names.append(type(node).__name__)
-        stack.extend(next_fn for next_fn, _ in node.next_functions)
-    return names
+        for next_fn, _ in node.next_functions:
+            if type(node).__name__ == "ToCopyBackward0" and hasattr(next_fn, "variable"):
+                leaves.add(id(next_fn.variable))
+            stack.append(next_fn)
+    return leaves
 
 
 def _loss_and_grads(model: GPT, idx: torch.Tensor):
     model.zero_grad(set_to_none=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = model.loss(idx, idx)
-    nodes = _graph_nodes(loss.grad_fn)
+    cast = _cast_leaves(loss.grad_fn)
     loss.backward()
-    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}, nodes
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}, cast
 
 
-def test_grouped_casts_give_the_same_bits_with_one_cast_node_per_block(monkeypatch):
+def test_grouped_casts_give_the_same_bits_and_no_cast_nodes(monkeypatch):
+    """The fused ops cast their parameters inside and return fp32 gradients, with or
+    without the grouped copies: the same bits, and no autograd cast node for any of them."""
     model = _tiny(FUSED_LINEARS)
     idx = torch.randint(0, 64, (2, 16))
-    loss, grads, nodes = _loss_and_grads(model, idx)
+    loss, grads, cast = _loss_and_grads(model, idx)
     monkeypatch.setattr(model_module, "grouped_casts", lambda *m: contextlib.nullcontext())
-    loss_ref, grads_ref, nodes_ref = _loss_and_grads(model, idx)
+    loss_ref, grads_ref, cast_ref = _loss_and_grads(model, idx)
 
     assert torch.equal(loss, loss_ref)
     for name, g in grads_ref.items():
         assert grads[name].dtype == torch.float32
         assert torch.equal(grads[name], g), name
-    # Per block: the QKV projection's weight and bias and the MLP's weights and first bias,
-    # no longer one cast each. (Without the group, ops.linear casts the attention output
-    # projection's weight inside the op; both output biases are added in fp32 by the
-    # fused LayerNorms: no cast node for them either way.)
-    n_layer = model.config.n_layer
-    assert nodes.count("_CastAllBackward") == n_layer
-    assert nodes_ref.count("_CastAllBackward") == 0
-    assert nodes_ref.count("ToCopyBackward0") - nodes.count("ToCopyBackward0") == 5 * n_layer
+    fused = [p for b in model.transformer.h for m in (b.attn.c_attn, b.attn.c_proj,
+                                                      b.mlp.c_fc, b.mlp.c_proj)
+             for p in (m.weight, m.bias)]
+    assert len(fused) == 8 * model.config.n_layer
+    assert not {id(p) for p in fused} & (cast | cast_ref)
+    # The unfused model's linears are cast by autocast, each weight through a cast node.
+    eager_model = _tiny(dict.fromkeys(FUSED_LINEARS, False))
+    assert id(eager_model.transformer.h[0].mlp.c_fc.weight) in _loss_and_grads(eager_model, idx)[2]
 
 
 def test_grouped_casts_only_where_they_apply():
     lin = torch.nn.Linear(4, 3)
+    bf16 = torch.bfloat16
     with grouped_casts(lin.weight, lin.bias):  # no autocast: nothing prepared
-        assert prepared_cast(lin.weight, torch.bfloat16) is not prepared_cast(
-            lin.weight, torch.bfloat16)
-    with torch.autocast("cpu", dtype=torch.bfloat16), grouped_casts(lin.weight, lin.bias):
-        w = prepared_cast(lin.weight, torch.bfloat16)
-        assert w.dtype == torch.bfloat16 and w is prepared_cast(lin.weight, torch.bfloat16)
-        assert prepared_cast(lin.weight, torch.float16).dtype == torch.float16  # other dtype
+        assert cast_params(bf16, lin.weight)[0] is not cast_params(bf16, lin.weight)[0]
+    with torch.autocast("cpu", dtype=bf16), grouped_casts(lin.weight, None, lin.bias):
+        w, b = cast_params(bf16, lin.weight, lin.bias)
+        assert w.dtype == b.dtype == bf16 and w is cast_params(bf16, lin.weight)[0]
+        assert not w.requires_grad and torch.equal(w, lin.weight.to(bf16))
+        assert cast_params(torch.float16, lin.weight)[0].dtype == torch.float16  # other dtype
+        assert cast_params(None, lin.weight, None) == (lin.weight, None)
     # Left the block: the copies are gone.
-    assert prepared_cast(lin.weight, torch.bfloat16) is not w
-    # A frozen parameter keeps its own cast, which needs no gradient.
-    frozen = torch.nn.Linear(4, 3)
-    frozen.weight.requires_grad_(False)
-    with torch.autocast("cpu", dtype=torch.bfloat16), grouped_casts(frozen.weight, frozen.bias):
-        assert not prepared_cast(frozen.weight, torch.bfloat16).requires_grad
-        assert prepared_cast(frozen.bias, torch.bfloat16).requires_grad
-        # No gradients: all may be grouped.
-        with torch.no_grad(), grouped_casts(frozen.weight, frozen.bias):
-            w = prepared_cast(frozen.weight, torch.bfloat16)
-            assert w is prepared_cast(frozen.weight, torch.bfloat16)
+    assert cast_params(bf16, lin.weight)[0] is not w
     # Parameters already in the autocast dtype (FSDP's mixed precision) are not copied.
-    lin_bf16 = torch.nn.Linear(4, 3).to(torch.bfloat16)
-    with torch.autocast("cpu", dtype=torch.bfloat16), grouped_casts(lin_bf16.weight, lin_bf16.bias):
-        assert prepared_cast(lin_bf16.weight, torch.bfloat16) is lin_bf16.weight
+    lin_bf16 = torch.nn.Linear(4, 3).to(bf16)
+    with torch.autocast("cpu", dtype=bf16), grouped_casts(lin_bf16.weight, lin_bf16.bias):
+        assert cast_params(bf16, lin_bf16.weight)[0] is lin_bf16.weight
 
 
 @pytest.mark.slow

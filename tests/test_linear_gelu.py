@@ -164,23 +164,24 @@ def test_tanh_gelu_and_its_derivative_against_fp64(approx, device, tol):
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("M,N", [(16, 40), (17, 33)])  # TMA-aligned or not
 @pytest.mark.parametrize("splits", [1, 3])
-@pytest.mark.parametrize("dtype", [F64, torch.float16])
-def test_split_k_weight_gradient(splits, dtype, M, N, deterministic):
+@pytest.mark.parametrize("dtype,out_dtype", [(F64, None), (torch.float16, None),
+                                             (torch.float16, torch.float32)])
+def test_split_k_weight_gradient(splits, dtype, out_dtype, M, N, deterministic):
     """Slices added in place (TMA reductions) and, in deterministic mode or unaligned, as
-    partial sums."""
+    partial sums; in the inputs' dtype or a wider one (an fp32 parameter's gradient)."""
     from fusedtrain.kernels.linear_gelu import matmul_gelu_rhs
 
     dy, h = torch.randn(203, M, dtype=dtype), torch.randn(203, N, dtype=dtype)
     mode = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(deterministic)
     try:
-        out = matmul_gelu_rhs(dy, h, "tanh", splits=splits)
+        out = matmul_gelu_rhs(dy, h, "tanh", out_dtype, splits=splits)
     finally:
         torch.use_deterministic_algorithms(mode)
     ref = dy.double().t() @ torch.nn.functional.gelu(h.double(), approximate="tanh")
-    assert out.dtype == dtype and out.shape == (M, N)
-    torch.testing.assert_close(out.double(), ref, rtol=1e-2 if dtype != F64 else 1e-9,
-                               atol=1e-2 if dtype != F64 else 1e-9)
+    assert out.dtype == (out_dtype or dtype) and out.shape == (M, N)
+    tol = 1e-9 if dtype == F64 else 1e-2  # gelu(h) is rounded to dtype for the MMA
+    torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("strided", [False, True])
@@ -202,7 +203,7 @@ def test_tma_and_pointer_gemms_agree_with_the_oracle(strided):
     h_ref = x @ w.t() + b
     torch.testing.assert_close(h, h_ref)
     torch.testing.assert_close(y, torch.nn.functional.gelu(h_ref, approximate="tanh"))
-    dh, db = K.matmul_dgelu(dy, w2, h, "none", col_sums=True, config=small)
+    dh, db = K.matmul_dgelu(dy, w2, h, "none", F64, config=small)
     gelu_grad = torch.func.grad(lambda t: torch.nn.functional.gelu(t).sum())
     dh_ref = (dy @ w2) * torch.vmap(gelu_grad)(h)
     torch.testing.assert_close(dh, dh_ref)
@@ -220,11 +221,12 @@ def test_gelu_bwd_with_column_sums(M, N, dtype):
     from fusedtrain.kernels.linear_gelu import gelu_bwd
 
     dy, h = torch.randn(M, N + 5, dtype=dtype)[:, :N], torch.randn(M, N, dtype=dtype)
-    dh, db = gelu_bwd(dy, h, "tanh", col_sums=True)
+    sums_dtype = torch.float32 if dtype == torch.float16 else dtype  # fp16: a wider bias
+    dh, db = gelu_bwd(dy, h, "tanh", sums_dtype)
     gelu_grad = torch.func.grad(lambda t: torch.nn.functional.gelu(t, approximate="tanh").sum())
     dh_ref = dy.double() * torch.vmap(gelu_grad)(h.double().flatten()).view(M, N)
     tol = 1e-9 if dtype == F64 else 2e-3
-    assert dh.dtype == db.dtype == dtype  # summed in fp32, rounded once
+    assert dh.dtype == dtype and db.dtype == sums_dtype  # summed in fp32, rounded once
     torch.testing.assert_close(dh.double(), dh_ref, rtol=tol, atol=tol)
     torch.testing.assert_close(db.double(), dh_ref.sum(0), rtol=tol, atol=tol * M)
     assert gelu_bwd(dy, h, "tanh")[1] is None

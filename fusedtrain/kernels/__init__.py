@@ -17,3 +17,8 @@ if not torch.cuda.is_available():
                 "through Triton's interpreter (correct but slow)")
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+if INTERPRET:
+    from fusedtrain.kernels._interpreter import patch_bf16_dot
+
+    patch_bf16_dot()

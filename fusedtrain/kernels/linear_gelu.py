@@ -271,11 +271,11 @@ def linear_gelu_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
 
 def matmul_dgelu(dy: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, approximate: str,
-                 col_sums: bool = False,
+                 sums_dtype: torch.dtype | None = None,
                  config: TmaConfig | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """dy: (M, N2), w2: (N2, N), h: (M, N) -> (dh, db): dh = (dy @ w2) * gelu'(h): (M, N),
-    and with col_sums db = dh.sum(0): (N,) in dh's dtype, accumulated in fp32 (fp64),
-    else None.
+    and with a sums_dtype db = dh.sum(0): (N,) in it, accumulated in fp32 (fp64), else
+    None.
 
     Through TMA the GEMM's epilogue sums each tile's columns, so dh is not read again; the
     pointer version sums dh afterwards."""
@@ -283,6 +283,7 @@ def matmul_dgelu(dy: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, approximat
     N = w2.shape[1]
     dh = torch.empty((M, N), device=dy.device, dtype=dy.dtype)
     flags = gemm_flags(dy, approximate)
+    col_sums = sums_dtype is not None
     if tma_ok(dy, w2, h):
         cfg = config or tma_config(N)
         tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
@@ -291,12 +292,12 @@ def matmul_dgelu(dy: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, approximat
         launch(_matmul_dgelu_tma_kernel, tiles, dy.device, dy, w2, h, dh, parts, M, N, K,
                dy.stride(0), w2.stride(0), h.stride(0), dh.stride(0), config=cfg,
                COL_SUMS=col_sums, **flags)
-        return dh, bias_grad(parts, dh.dtype) if col_sums else None
+        return dh, bias_grad(parts, sums_dtype) if col_sums else None
     _matmul_dgelu_kernel[_gemm_grid(M, N)](
         dy, w2, h, dh, M, N, K,
         dy.stride(0), dy.stride(1), w2.stride(0), w2.stride(1),
         h.stride(0), h.stride(1), dh.stride(0), dh.stride(1), **flags)
-    return dh, bias_grad(dh, dh.dtype) if col_sums else None
+    return dh, bias_grad(dh, sums_dtype) if col_sums else None
 
 
 def k_splits(tiles: int, K: int, device: torch.device, per_sm: int = 1) -> int:
@@ -311,9 +312,10 @@ def k_splits(tiles: int, K: int, device: torch.device, per_sm: int = 1) -> int:
 
 
 def matmul_gelu_rhs(dy: torch.Tensor, h: torch.Tensor, approximate: str,
-                    splits: int | None = None, config: TmaConfig | None = None) -> torch.Tensor:
-    """dy: (K, M), h: (K, N) -> dy.T @ gelu(h): (M, N), reduced over `splits` slices of K
-    (default: k_splits) in fp32.
+                    out_dtype: torch.dtype | None = None, splits: int | None = None,
+                    config: TmaConfig | None = None) -> torch.Tensor:
+    """dy: (K, M), h: (K, N) -> dy.T @ gelu(h): (M, N) in out_dtype (default dy's), reduced
+    over `splits` slices of K (default: k_splits) in fp32.
 
     Through TMA the slices add into one fp32 sum in place (bulk reductions in L2), whose
     order, and so whose last bits, vary run to run; under torch's deterministic mode, and
@@ -330,7 +332,8 @@ def matmul_gelu_rhs(dy: torch.Tensor, h: torch.Tensor, approximate: str,
     k_split = triton.cdiv(triton.cdiv(K, splits), 128) * 128  # a multiple of any BLOCK_K
     splits = triton.cdiv(K, k_split)
     reduce = use_tma and splits > 1 and not torch.are_deterministic_algorithms_enabled()
-    part_dtype = dy.dtype if splits == 1 else stat_dtype(dy)
+    out_dtype = out_dtype or dy.dtype
+    part_dtype = out_dtype if splits == 1 else stat_dtype(dy)
     if reduce:
         out = torch.zeros((1, M, N), device=dy.device, dtype=part_dtype)
     else:
@@ -346,21 +349,22 @@ def matmul_gelu_rhs(dy: torch.Tensor, h: torch.Tensor, approximate: str,
             dy.stride(1), dy.stride(0), h.stride(0), h.stride(1), *out.stride(), **flags)
     if splits == 1:
         return out[0]
-    return (out[0] if reduce else out.sum(0)).to(dy.dtype)
+    return (out[0] if reduce else out.sum(0)).to(out_dtype)
 
 
 def gelu_bwd(dy: torch.Tensor, h: torch.Tensor, approximate: str,
-             col_sums: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """dy, h: (M, N) -> (dh, db): dh = dy * gelu'(h), and with col_sums db = dh.sum(0): (N,)
-    in dh's dtype (accumulated in fp32, fp64), from the kernel's tiles, else None."""
+             sums_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """dy, h: (M, N) -> (dh, db): dh = dy * gelu'(h), and with a sums_dtype db = dh.sum(0):
+    (N,) in it (accumulated in fp32, fp64), from the kernel's tiles, else None."""
     dy, h = (t if t.stride(-1) == 1 else t.contiguous() for t in (dy, h))
     M, N = h.shape
     dh = torch.empty((M, N), device=h.device, dtype=h.dtype)
     block_m, block_n = _GELU_BWD_TILE
+    col_sums = sums_dtype is not None
     parts = (torch.empty((triton.cdiv(M, block_m), N), device=h.device, dtype=stat_dtype(h))
              if col_sums else dh)  # dh: never written as parts
     _gelu_bwd_kernel[(triton.cdiv(M, block_m), triton.cdiv(N, block_n))](
         dy, h, dh, parts, M, N, dy.stride(0), h.stride(0), dh.stride(0), COL_SUMS=col_sums,
         APPROX=gelu_mode(approximate, h), ACC=acc_dtype(h), BLOCK_M=block_m, BLOCK_N=block_n,
         num_warps=8)
-    return dh, bias_grad(parts, dh.dtype) if col_sums else None
+    return dh, bias_grad(parts, sums_dtype) if col_sums else None

@@ -320,12 +320,13 @@ def qkv_dx(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, weight: torch.T
     return dx
 
 
-def qkv_dw(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
-           x: torch.Tensor) -> torch.Tensor:
-    """dq, dk, dv: (B, H, T, D) with equal strides, x: (B, T, C) -> dW_qkv: (3C, C)."""
+def qkv_dw(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, x: torch.Tensor,
+           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """dq, dk, dv: (B, H, T, D) with equal strides, x: (B, T, C) -> dW_qkv: (3C, C) in
+    out_dtype (default dq's), from the fp32 (fp64) accumulator."""
     B, H, T, D = dq.shape
     C = H * D
-    dw = torch.empty((3 * C, C), device=dq.device, dtype=dq.dtype)
+    dw = torch.empty((3 * C, C), device=dq.device, dtype=out_dtype or dq.dtype)
     grid = lambda meta: (  # noqa: E731
         3 * triton.cdiv(C, meta["BLOCK_M"]) * triton.cdiv(C, meta["BLOCK_N"]),)
     _qkv_dw_kernel[grid](

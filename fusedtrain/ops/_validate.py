@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from fusedtrain.casts import autocast_dtype, prepared_cast
+from fusedtrain.casts import autocast_dtype
 from fusedtrain.kernels._common import SUPPORTED_DTYPES
 
 GELU_FORMS = ("none", "tanh")
@@ -82,14 +82,25 @@ def check_approximate(approximate: str) -> None:
 
 
 def autocast_cast(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-    """Under autocast, cast floating inputs to the autocast dtype (as F.linear does; a
-    weight that fusedtrain.casts.grouped_casts already cast comes from there); otherwise
-    return them unchanged. Gradients flow back through the casts."""
+    """Under autocast, cast floating inputs to the autocast dtype (as F.linear does);
+    otherwise return them unchanged. Gradients flow back through the casts."""
     first = next(t for t in tensors if t is not None)
     dt = autocast_dtype(first) if isinstance(first, torch.Tensor) else None
     if dt is None:
         return tensors
-    return tuple(
-        prepared_cast(t, dt) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
-        for t in tensors
-    )
+    return tuple(t.to(dt) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+                 for t in tensors)
+
+
+def autocast_params(x: torch.Tensor,
+                    *params: torch.Tensor | None) -> tuple[torch.Tensor, torch.dtype | None]:
+    """(x, compute dtype) for an op whose autograd.Function casts its parameters itself
+    (fusedtrain.casts.cast_params) and returns their gradients in their own dtypes. Under
+    autocast: x cast to the autocast dtype, and that dtype if some parameter has another;
+    otherwise x unchanged and None (the parameters are used as they are)."""
+    (x,) = autocast_cast(x)
+    dt = autocast_dtype(x)
+    if dt is None or all(p is None or p.dtype == dt or not p.is_floating_point()
+                         for p in params):
+        return x, None
+    return x, dt

@@ -6,11 +6,13 @@ import torch
 from torch.utils.flop_counter import register_flop_formula
 
 from fusedtrain import eager
+from fusedtrain.casts import cast_params
 from fusedtrain.kernels import qkv as K
 from fusedtrain.kernels._common import stat_dtype
 from fusedtrain.kernels.bias_grad import bias_grad
 from fusedtrain.ops._registry import launcher
-from fusedtrain.ops._validate import autocast_cast, check_same, check_tensor
+from fusedtrain.ops._validate import autocast_cast, autocast_params, check_same, check_tensor
+from fusedtrain.ops.linear import weight_grad
 
 Tensor = torch.Tensor
 
@@ -65,31 +67,33 @@ def _packed(dq: Tensor, dk: Tensor, dv: Tensor) -> Tensor | None:
 
 @launcher("qkv_bwd")
 def qkv_bwd(dq: Tensor, dk: Tensor, dv: Tensor, x: Tensor, weight: Tensor,
-             with_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """(dx, dW, db): db the sums (accumulated in fp32, fp64) in the gradients' dtype, empty
-    unless with_bias. The layout is looked
-    at here, inside the op, so that torch.compile (whose fake tensors have no addresses)
-    makes the same choice at run time: dq, dk, dv as the fused attention writes them are
-    one (B*T, 3C) matrix, and the backward two cuBLAS GEMMs and a column sum on it; any
-    other layout goes through the strided Triton kernels, which read them in place."""
+            weight_grad_dtype: torch.dtype,
+            bias_grad_dtype: torch.dtype | None) -> tuple[Tensor, Tensor, Tensor]:
+    """(dx, dW, db): dW in weight_grad_dtype, db the sums (accumulated in fp32, fp64) in
+    bias_grad_dtype, empty without one. The layout is looked at here, inside the op, so
+    that torch.compile (whose fake tensors have no addresses) makes the same choice at run
+    time: dq, dk, dv as the fused attention writes them are one (B*T, 3C) matrix, and the
+    backward two cuBLAS GEMMs and a column sum on it; any other layout goes through the
+    strided Triton kernels, which read them in place."""
     g = _packed(dq, dk, dv)
     if g is not None:
         dx = (g @ weight).view(x.shape)
-        dw = g.t() @ x.reshape(-1, x.shape[-1])
-        db = bias_grad(g, g.dtype) if with_bias else None
+        dw = weight_grad(g, x.reshape(-1, x.shape[-1]), weight_grad_dtype)
+        db = bias_grad(g, bias_grad_dtype) if bias_grad_dtype else None
     else:
         dq, dk, dv = _same_layout(dq, dk, dv)
-        dx, dw = K.qkv_dx(dq, dk, dv, weight), K.qkv_dw(dq, dk, dv, x)
-        db = torch.cat([_head_sums(t) for t in (dq, dk, dv)]).to(dq.dtype) if with_bias else None
+        dx, dw = K.qkv_dx(dq, dk, dv, weight), K.qkv_dw(dq, dk, dv, x, weight_grad_dtype)
+        db = (torch.cat([_head_sums(t) for t in (dq, dk, dv)]).to(bias_grad_dtype)
+              if bias_grad_dtype else None)
     return dx, dw, db if db is not None else dq.new_empty(0)
 
 
 @qkv_bwd.register_fake
-def _(dq, dk, dv, x, weight, with_bias):
+def _(dq, dk, dv, x, weight, weight_grad_dtype, bias_grad_dtype):
     B, H, T, D = dq.shape
     C = H * D
-    return (dq.new_empty((B, T, C)), dq.new_empty((3 * C, C)),
-            dq.new_empty(3 * C if with_bias else 0))
+    return (dq.new_empty((B, T, C)), dq.new_empty((3 * C, C), dtype=weight_grad_dtype),
+            dq.new_empty(3 * C if bias_grad_dtype else 0, dtype=bias_grad_dtype))
 
 
 @register_flop_formula(torch.ops.fusedtrain.qkv_bwd)
@@ -99,23 +103,31 @@ def _(dq_shape, *args, **kwargs) -> int:
 
 
 class QKVProjectionFunction(torch.autograd.Function):
+    """compute_dtype: weight and bias cast to it here (None: they come in x's dtype); their
+    gradients leave in their own dtypes (fusedtrain.casts)."""
+
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, n_heads: int):
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, n_heads: int,
+                compute_dtype: torch.dtype | None):
+        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+        weight, bias = cast_params(compute_dtype, weight, bias)
         q, k, v = qkv_fwd(x, weight, bias, n_heads)
-        ctx.save_for_backward(x, weight, bias)
+        ctx.save_for_backward(x, weight)
         return q, k, v
 
     @staticmethod
     def backward(ctx, dq: Tensor, dk: Tensor, dv: Tensor):
-        x, weight, bias = ctx.saved_tensors
-        dx, dw, db = qkv_bwd(dq, dk, dv, x, weight, bias is not None)
-        return dx, dw, None if bias is None else db, None
+        x, weight = ctx.saved_tensors
+        w_dtype, b_dtype = ctx.dtypes
+        dx, dw, db = qkv_bwd(dq, dk, dv, x, weight, w_dtype, b_dtype)
+        return dx, dw, None if b_dtype is None else db, None, None
 
 
 def checked_args(x: Tensor, weight: Tensor, bias: Tensor | None,
-                 n_heads: int) -> tuple[Tensor, Tensor, Tensor | None]:
-    """qkv_projection's arguments validated (ValueError/TypeError naming the argument)
-    and cast as autocast would cast them."""
+                 n_heads: int) -> tuple[Tensor, Tensor, Tensor | None, torch.dtype | None]:
+    """qkv_projection's arguments validated (ValueError/TypeError naming the argument),
+    x cast as autocast would cast it, and the dtype the op casts weight and bias to
+    (None: none; ops._validate.autocast_params)."""
     check_tensor("x", x, ndim=3)
     check_tensor("weight", weight, ndim=2)
     if not isinstance(n_heads, int) or n_heads <= 0:
@@ -130,9 +142,9 @@ def checked_args(x: Tensor, weight: Tensor, bias: Tensor | None,
         check_tensor("bias", bias, ndim=1)
         if bias.shape[0] != 3 * C:
             raise ValueError(f"bias has shape {tuple(bias.shape)}, expected ({3 * C},)")
-    x, weight, bias = autocast_cast(x, weight, bias)
-    check_same("x", x, weight=weight, bias=bias)
-    return x, weight, bias
+    x, compute_dtype = autocast_params(x, weight, bias)
+    check_same("x", x, compute_dtype is None, weight=weight, bias=bias)
+    return x, weight, bias, compute_dtype
 
 
 def qkv_projection(x: Tensor, weight: Tensor, bias: Tensor | None,
@@ -141,7 +153,7 @@ def qkv_projection(x: Tensor, weight: Tensor, bias: Tensor | None,
 
     x: (B, T, C), weight: (3C, C), bias: (3C,) -> q, k, v: (B, n_heads, T, C // n_heads).
     """
-    x, weight, bias = checked_args(x, weight, bias, n_heads)
+    x, weight, bias, compute_dtype = checked_args(x, weight, bias, n_heads)
     if x.numel() == 0:
-        return eager.qkv_projection(x, weight, bias, n_heads)
-    return QKVProjectionFunction.apply(x, weight, bias, n_heads)
+        return eager.qkv_projection(*autocast_cast(x, weight, bias), n_heads)
+    return QKVProjectionFunction.apply(x, weight, bias, n_heads, compute_dtype)

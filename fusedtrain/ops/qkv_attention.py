@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from fusedtrain.casts import cast_params
 from fusedtrain.ops.attention import attention_bwd, attention_fwd, checked_scale, flash_attention
 from fusedtrain.ops.qkv import checked_args, qkv_bwd, qkv_fwd, qkv_projection
 
@@ -23,21 +24,22 @@ class QKVAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, n_heads: int,
-                causal: bool, softmax_scale: float):
+                causal: bool, softmax_scale: float, compute_dtype: torch.dtype | None):
+        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+        weight, bias = cast_params(compute_dtype, weight, bias)
         q, k, v = qkv_fwd(x, weight, bias, n_heads)
         o, lse = attention_fwd(q, k, v, causal, softmax_scale)
         ctx.save_for_backward(x, weight, q, k, v, o, lse)
-        ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.causal, ctx.softmax_scale = causal, softmax_scale
         return o
 
     @staticmethod
     def backward(ctx, do: Tensor):
         x, weight, q, k, v, o, lse = ctx.saved_tensors
-        grads, db = attention_bwd(do, q, k, v, o, lse, ctx.causal, ctx.softmax_scale,
-                                  ctx.bias_dtype)
-        dx, dw, _ = qkv_bwd(*grads.unbind(0), x, weight, False)
-        return dx, dw, None if ctx.bias_dtype is None else db, None, None, None
+        w_dtype, b_dtype = ctx.dtypes
+        grads, db = attention_bwd(do, q, k, v, o, lse, ctx.causal, ctx.softmax_scale, b_dtype)
+        dx, dw, _ = qkv_bwd(*grads.unbind(0), x, weight, w_dtype, None)
+        return dx, dw, None if b_dtype is None else db, None, None, None, None
 
 
 def qkv_attention(x: Tensor, weight: Tensor, bias: Tensor | None, n_heads: int,
@@ -47,8 +49,9 @@ def qkv_attention(x: Tensor, weight: Tensor, bias: Tensor | None, n_heads: int,
     x: (B, T, C), weight: (3C, C), bias: (3C,) -> o: (B, n_heads, T, C // n_heads), stored
     as (B, T, n_heads, C // n_heads) (see flash_attention).
     """
-    x, weight, bias = checked_args(x, weight, bias, n_heads)
+    x, weight, bias, compute_dtype = checked_args(x, weight, bias, n_heads)
     scale = checked_scale(x.shape[-1] // n_heads, softmax_scale)
     if x.numel() == 0:
         return flash_attention(*qkv_projection(x, weight, bias, n_heads), causal, scale)
-    return QKVAttentionFunction.apply(x, weight, bias, n_heads, bool(causal), scale)
+    return QKVAttentionFunction.apply(x, weight, bias, n_heads, bool(causal), scale,
+                                      compute_dtype)
