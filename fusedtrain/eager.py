@@ -17,6 +17,14 @@ def embedding(idx: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.embedding(idx, weight)
 
 
+def gpt_embedding(idx: torch.Tensor, token_weight: torch.Tensor,
+                  position_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token_weight[idx] + position_weight[0..T-1], token_weight) (ops.gpt_embedding's twin:
+    nanoGPT's input embedding, and the table its tied head reads)."""
+    pos = torch.arange(idx.shape[-1], device=idx.device)
+    return F.embedding(idx, token_weight) + F.embedding(pos, position_weight), token_weight
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T + bias (ops.linear's twin: nn.Linear's own computation)."""
     return F.linear(x, weight, bias)

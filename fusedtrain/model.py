@@ -136,24 +136,34 @@ class GPT(nn.Module):
 
     def embed(self, idx: torch.Tensor) -> torch.Tensor:
         """idx: (B, T) token ids -> the residual stream (B, T, C)."""
+        return self._embed(idx)[0]
+
+    def _embed(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """idx: (B, T) -> (the residual stream (B, T, C), the tied head's weight): with the
+        fused embedding the token table as ops.gpt_embedding returns it, so that the head's
+        gradient for it and the embedding's meet in that op's backward."""
         T = idx.shape[1]
         if self.config.block_size < T:
             raise ValueError(
                 f"sequence length {T} exceeds model.block_size {self.config.block_size}"
             )
         tr = self.transformer
-        pos = torch.arange(T, device=idx.device)
         if self.config.kernels["embedding"]:
             from fusedtrain import ops
 
-            return tr.drop(ops.embedding(idx, tr.wte.weight) + ops.embedding(pos, tr.wpe.weight))
-        return tr.drop(tr.wte(idx) + tr.wpe(pos))
+            x, head_weight = ops.gpt_embedding(idx, tr.wte.weight, tr.wpe.weight)
+            return tr.drop(x), head_weight
+        pos = torch.arange(T, device=idx.device)
+        return tr.drop(tr.wte(idx) + tr.wpe(pos)), tr.wte.weight
 
     def logits(self, stream: torch.Tensor, delta: torch.Tensor | None = None,
-               delta_bias: torch.Tensor | None = None) -> torch.Tensor:
-        """The last block's output (stream, delta[, delta_bias]) -> logits (B, T, vocab)."""
+               delta_bias: torch.Tensor | None = None,
+               head_weight: torch.Tensor | None = None) -> torch.Tensor:
+        """The last block's output (stream, delta[, delta_bias]) -> logits (B, T, vocab).
+        head_weight: the token table as _embed returned it (default: the table)."""
         x, _ = self.transformer.ln_f(stream, delta, delta_bias)
-        wte = self.transformer.wte.weight  # the head is tied to the token embedding
+        # The head is tied to the token embedding.
+        wte = self.transformer.wte.weight if head_weight is None else head_weight
         if self.config.kernels["embedding"]:
             from fusedtrain import ops
 
@@ -161,9 +171,10 @@ class GPT(nn.Module):
             return ops.linear(x, wte)
         return F.linear(x, wte)
 
-    def head_loss(self, targets: torch.Tensor, *last: torch.Tensor) -> torch.Tensor:
+    def head_loss(self, targets: torch.Tensor, *last: torch.Tensor,
+                  head_weight: torch.Tensor | None = None) -> torch.Tensor:
         """Mean next-token cross-entropy from the last block's output `last`."""
-        logits = self.logits(*last)
+        logits = self.logits(*last, head_weight=head_weight)
         if self.config.kernels["cross_entropy"]:
             from fusedtrain import ops
 
@@ -171,20 +182,24 @@ class GPT(nn.Module):
             return ops.cross_entropy(logits, targets, inplace_backward=True)
         return eager.cross_entropy(logits, targets)
 
-    def _trunk(self, idx: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The last block's output: (stream, delta[, delta_bias]) (see Block.forward)."""
-        out = (self.embed(idx),)
+    def _trunk(self, idx: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """(the tied head's weight, the last block's output (stream, delta[, delta_bias]),
+        see Block.forward)."""
+        x, head_weight = self._embed(idx)
+        out = (x,)
         for block in self.transformer.h:
             out = block(*out)
-        return out
+        return head_weight, out
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """idx: (B, T) token ids -> logits: (B, T, vocab_size)."""
-        return self.logits(*self._trunk(idx))
+        head_weight, last = self._trunk(idx)
+        return self.logits(*last, head_weight=head_weight)
 
     def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy.  idx, targets: (B, T)."""
-        return self.head_loss(targets, *self._trunk(idx))
+        head_weight, last = self._trunk(idx)
+        return self.head_loss(targets, *last, head_weight=head_weight)
 
     @classmethod
     def from_pretrained(cls, path: str, kernels: dict[str, bool] | None = None,

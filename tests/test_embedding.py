@@ -1,4 +1,5 @@
-"""ops.embedding: weight[idx], its backward an atomic scatter-add into fp32."""
+"""ops.embedding (weight[idx]) and ops.gpt_embedding (token plus position rows, with the tied
+head's gradient added into in its backward): backward an atomic scatter-add into fp32."""
 
 import pytest
 import torch
@@ -73,6 +74,86 @@ def test_bad_inputs():
         ops.embedding(torch.zeros(2, dtype=torch.long), w.long())
 
 
+def _gpt_inputs(V=13, P=9, C=6, dtype=F64):
+    torch.manual_seed(0)
+    return (torch.randn(V, C, dtype=dtype, requires_grad=True),
+            torch.randn(P, C, dtype=dtype, requires_grad=True))
+
+
+def _embed_and_head(fn, idx, tw, pw):
+    """The model's use: the stream and logits from the head tied to the token table."""
+    x, head_weight = fn(idx, tw, pw)
+    return x, x @ head_weight.t()
+
+
+def test_gpt_embedding_gradcheck_with_and_without_the_head():
+    tw, pw = _gpt_inputs()
+    idx = torch.tensor([[0, 3, 3, 12], [6, 3, 0, 0]])  # repeats; 4 of 9 positions
+    assert gradcheck(lambda a, b: _embed_and_head(ops.gpt_embedding, idx, a, b), (tw, pw))
+    assert gradcheck(lambda a, b: ops.gpt_embedding(idx, a, b)[0], (tw, pw))
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("head", [True, False])
+def test_gpt_embedding_matches_the_twin_at_odd_shapes(deterministic, head):
+    """Column tails (C = 300), token tails, hot rows; the head's gradient added in place
+    (or no head)."""
+    V, P, C = 97, 50, 300
+    idx = torch.randint(0, V, (3, 45))
+    idx[0, :20] = 5
+    results = []
+    for fn in (ops.gpt_embedding, eager.gpt_embedding):
+        torch.manual_seed(1)
+        tw = torch.randn(V, C, requires_grad=True)
+        pw = torch.randn(P, C, requires_grad=True)
+        mode = torch.are_deterministic_algorithms_enabled()
+        torch.use_deterministic_algorithms(deterministic)
+        try:
+            x, logits = _embed_and_head(fn, idx, tw, pw)
+            loss = x.square().sum() + (logits.square().sum() / 100 if head else 0)
+            loss.backward()
+        finally:
+            torch.use_deterministic_algorithms(mode)
+        results.append((x, tw.grad, pw.grad))
+    (x, gt, gp), (x_ref, gt_ref, gp_ref) = results
+    torch.testing.assert_close(x, x_ref, rtol=0, atol=0)
+    torch.testing.assert_close(gt, gt_ref, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(gp, gp_ref, rtol=1e-5, atol=1e-4)
+
+
+def test_gpt_embedding_compile_fullgraph_matches_eager():
+    idx = torch.tensor([[1, 2, 1], [0, 12, 5]])
+    tw, pw = _gpt_inputs(dtype=torch.float32)
+
+    def loss(fn):
+        x, logits = _embed_and_head(fn, idx, tw, pw)
+        return x.square().sum() + logits.square().sum()
+
+    compiled = torch.compile(lambda: loss(ops.gpt_embedding), fullgraph=True,
+                             backend="aot_eager")
+    got = torch.autograd.grad(compiled(), (tw, pw))
+    ref = torch.autograd.grad(loss(eager.gpt_embedding), (tw, pw))
+    for a, r in zip(got, ref):
+        torch.testing.assert_close(a, r)
+
+
+def test_gpt_embedding_bad_inputs():
+    tw, pw = _gpt_inputs()
+    idx = torch.zeros(2, 4, dtype=torch.long)
+    with pytest.raises(TypeError, match="idx"):
+        ops.gpt_embedding(idx.double(), tw, pw)
+    with pytest.raises(ValueError, match="idx"):
+        ops.gpt_embedding(idx[0], tw, pw)
+    with pytest.raises(ValueError, match="sequence length 12"):
+        ops.gpt_embedding(torch.zeros(2, 12, dtype=torch.long), tw, pw)
+    with pytest.raises(ValueError, match="position_weight"):
+        ops.gpt_embedding(idx, tw, pw[:, :4])
+    with pytest.raises(TypeError, match="position_weight"):
+        ops.gpt_embedding(idx, tw, pw.float())
+    with pytest.raises(ValueError, match="token_weight"):
+        ops.gpt_embedding(idx, tw[0], pw)
+
+
 @pytest.mark.gpu
 def test_gpu_backward_at_gpt2_shape_and_deterministic_mode():
     """16384 tokens with GPT-2-like repeats (the commonest id ~1500 times) into a 50304 x
@@ -107,3 +188,30 @@ def test_gpu_backward_at_gpt2_shape_and_deterministic_mode():
         assert torch.equal(grad(), grad())
     finally:
         torch.use_deterministic_algorithms(mode)
+
+
+@pytest.mark.gpu
+def test_gpu_gpt_embedding_at_gpt2_shape():
+    """The fused model's use at GPT-2's shape: the head's fp32 gradient and the token rows
+    added in place, against fp64 sums: within fp32 summation's bound in any order (as
+    above, one more term for the head's gradient), and the positions' gradient too."""
+    torch.manual_seed(0)
+    ranks = torch.arange(1, 50305, dtype=F64)
+    idx = torch.multinomial(1.0 / ranks, 16384, replacement=True).view(16, 1024).cuda()
+    tw = (torch.randn(50304, 768, device="cuda") * 0.02).requires_grad_()
+    pw = (torch.randn(1024, 768, device="cuda") * 0.02).requires_grad_()
+    g = torch.randn(16, 1024, 768, device="cuda")
+    head_grad = torch.randn(50304, 768, device="cuda")
+    x, head_weight = ops.gpt_embedding(idx, tw, pw)
+    torch.autograd.backward((x, head_weight), (g, head_grad))
+    torch.testing.assert_close(x, tw[idx] + pw[None], rtol=0, atol=0)
+
+    flat, g2 = idx.view(-1), g.view(-1, 768).double()
+    ref = torch.ops.aten.embedding_dense_backward(g2, flat, 50304, -1, False) + head_grad.double()
+    abs_sums = torch.ops.aten.embedding_dense_backward(g2.abs(), flat, 50304, -1, False)
+    count = torch.bincount(flat, minlength=50304).double()[:, None]
+    bound = count * 2.0 ** -24 * (abs_sums + head_grad.double().abs()) + 1e-12
+    assert ((tw.grad.double() - ref).abs() <= bound).all()
+    pos_ref = g.double().sum(0)
+    pos_bound = 16 * 2.0 ** -24 * g.double().abs().sum(0) + 1e-12
+    assert ((pw.grad.double() - pos_ref).abs() <= pos_bound).all()

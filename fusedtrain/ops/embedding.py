@@ -1,4 +1,6 @@
-"""Embedding lookup, weight[idx], whose backward is the atomic scatter-add kernel."""
+"""Embedding lookups whose backward is the atomic scatter-add kernel: `embedding`
+(weight[idx]) and `gpt_embedding`, GPT's input (token plus position rows, one pass) with
+its tied output head's gradient gathered in the same backward."""
 
 from __future__ import annotations
 
@@ -7,8 +9,8 @@ import torch.nn.functional as F
 
 from fusedtrain.kernels import embedding as K
 from fusedtrain.kernels._common import stat_dtype
-from fusedtrain.ops._registry import launcher
-from fusedtrain.ops._validate import check_index_tensor, check_tensor
+from fusedtrain.ops._registry import launcher, runs_directly
+from fusedtrain.ops._validate import check_index_tensor, check_same, check_tensor
 
 Tensor = torch.Tensor
 
@@ -20,7 +22,7 @@ def _embedding_bwd(idx: Tensor, dy: Tensor, num_rows: int) -> Tensor:
     if torch.are_deterministic_algorithms_enabled():
         return torch.ops.aten.embedding_dense_backward(dy, idx, num_rows, -1, False).to(
             stat_dtype(dy))
-    return K.embedding_bwd(idx, dy, num_rows)
+    return K.embedding_bwd(idx, dy, num_rows)[0]
 
 
 @_embedding_bwd.register_fake
@@ -51,3 +53,111 @@ def embedding(idx: Tensor, weight: Tensor) -> Tensor:
     if idx.numel() == 0 or not (torch.is_grad_enabled() and weight.requires_grad):
         return F.embedding(idx, weight)
     return EmbeddingFunction.apply(idx, weight)
+
+
+# ---------------------------------------------------------------- GPT's input embedding
+
+
+@launcher("gpt_embedding_fwd")
+def _gpt_embedding_fwd(idx: Tensor, token_weight: Tensor, position_weight: Tensor) -> Tensor:
+    B, T = idx.shape
+    return K.embedding_fwd(idx.reshape(-1), token_weight, position_weight, T).view(B, T, -1)
+
+
+@_gpt_embedding_fwd.register_fake
+def _(idx, token_weight, position_weight):
+    return token_weight.new_empty((*idx.shape, token_weight.shape[1]))
+
+
+def _gpt_embedding_grads(idx: Tensor, dx: Tensor, dw: Tensor | None, num_rows: int,
+                         num_positions: int) -> tuple[Tensor, Tensor]:
+    """(dW, dP) in fp32 (fp64): dx's rows added at idx (into dw, in place, when given: an
+    fp32 (fp64) contiguous (V, C) gradient) and over the batch at positions 0..T-1."""
+    B, T = idx.shape
+    dx2, flat = dx.reshape(-1, dx.shape[-1]), idx.reshape(-1)
+    if not torch.are_deterministic_algorithms_enabled():
+        return K.embedding_bwd(flat, dx2, num_rows, dw, num_positions, T)
+    acc = stat_dtype(dx)
+    tokens = torch.ops.aten.embedding_dense_backward(dx2, flat, num_rows, -1, False).to(acc)
+    dpos = dx.new_zeros((num_positions, dx.shape[-1]), dtype=acc)
+    dpos[:T] = dx.sum(0, dtype=acc)
+    return (tokens if dw is None else dw.add_(tokens)), dpos
+
+
+@launcher("gpt_embedding_bwd")
+def _gpt_embedding_bwd(idx: Tensor, dx: Tensor, head_grad: Tensor | None, num_rows: int,
+                       num_positions: int) -> tuple[Tensor, Tensor]:
+    """(dW, dP): dW = head_grad (when given) + dx's rows added at idx, in a new tensor."""
+    dw = None if head_grad is None else head_grad.to(stat_dtype(dx), copy=True)
+    return _gpt_embedding_grads(idx, dx, dw, num_rows, num_positions)
+
+
+@_gpt_embedding_bwd.register_fake
+def _(idx, dx, head_grad, num_rows, num_positions):
+    C, acc = dx.shape[-1], stat_dtype(dx)
+    return dx.new_empty((num_rows, C), dtype=acc), dx.new_empty((num_positions, C), dtype=acc)
+
+
+class GPTEmbeddingFunction(torch.autograd.Function):
+    """(x, head weight): the head weight is the token table itself, returned so that the
+    head's gradient for it arrives in this backward, which adds the embedding's rows into
+    that (V, C) gradient in place: no zeroed (V, C) buffer of its own, and no second (V, C)
+    gradient for autograd to add (on an H200 at GPT-2's size each is a pass over 154 MB).
+    In place only when the kernels run directly; under torch.compile and dispatch modes
+    the registered (non-mutating) launcher copies the head's gradient first."""
+
+    @staticmethod
+    def forward(ctx, idx: Tensor, token_weight: Tensor, position_weight: Tensor):
+        ctx.save_for_backward(idx)
+        ctx.tables = [(w.shape[0], w.dtype) for w in (token_weight, position_weight)]
+        return _gpt_embedding_fwd(idx, token_weight, position_weight), token_weight
+
+    @staticmethod
+    def backward(ctx, dx: Tensor, head_grad: Tensor | None):
+        (idx,) = ctx.saved_tensors
+        (V, token_dtype), (P, position_dtype) = ctx.tables
+        if dx is None:
+            dx = idx.new_zeros((*idx.shape, head_grad.shape[1]), dtype=head_grad.dtype)
+        in_place = (head_grad is not None and runs_directly(dx) and head_grad.is_contiguous()
+                    and head_grad.dtype == stat_dtype(dx))
+        if in_place:
+            dw, dpos = _gpt_embedding_grads(idx, dx, head_grad, V, P)
+        else:
+            dw, dpos = _gpt_embedding_bwd(idx, dx, head_grad, V, P)
+        return None, dw.to(token_dtype), dpos.to(position_dtype)
+
+
+def gpt_embedding(idx: Tensor, token_weight: Tensor,
+                  position_weight: Tensor) -> tuple[Tensor, Tensor]:
+    """GPT's input embedding, with its tied output head's weight.
+
+    idx: (B, T) token ids in [0, V), token_weight: (V, C), position_weight: (P, C), P >= T
+    -> (x, head_weight): x = token_weight[idx] + position_weight[:T]: (B, T, C) in
+    token_weight's dtype, and head_weight, token_weight itself, for the output head tied
+    to the token table to read instead of token_weight: its gradient then meets the
+    embedding's in this op's backward, which adds one into the other in place.
+    """
+    check_index_tensor("idx", idx, "token ids")
+    check_tensor("token_weight", token_weight, ndim=2)
+    check_tensor("position_weight", position_weight, ndim=2)
+    if idx.dim() != 2:
+        raise ValueError(f"idx must have shape (B, T), got {tuple(idx.shape)}")
+    T, C = idx.shape[1], token_weight.shape[1]
+    if position_weight.shape[1] != C:
+        raise ValueError(f"position_weight has shape {tuple(position_weight.shape)}: "
+                         f"expected (P, {C}) to match token_weight's width {C}")
+    if position_weight.shape[0] < T:
+        raise ValueError(f"sequence length {T} exceeds position_weight's {position_weight.shape[0]}"
+                         " positions")
+    check_same("token_weight", token_weight, idx=idx, position_weight=position_weight,
+               same_dtype=False)
+    if position_weight.dtype != token_weight.dtype:
+        raise TypeError(f"position_weight has dtype {position_weight.dtype} but token_weight "
+                        f"has {token_weight.dtype}")
+    if idx.numel() == 0:
+        from fusedtrain import eager
+
+        return eager.gpt_embedding(idx, token_weight, position_weight)
+    if torch.is_grad_enabled() and (token_weight.requires_grad or position_weight.requires_grad):
+        return GPTEmbeddingFunction.apply(idx, token_weight, position_weight)
+    return _gpt_embedding_fwd(idx, token_weight, position_weight), token_weight
