@@ -151,7 +151,9 @@ class GPT(nn.Module):
         if self.config.kernels["embedding"]:
             from fusedtrain import ops
 
-            x, head_weight = ops.gpt_embedding(idx, tr.wte.weight, tr.wpe.weight)
+            # In place: the head (ops.linear) hands its weight's gradient over fresh.
+            x, head_weight = ops.gpt_embedding(idx, tr.wte.weight, tr.wpe.weight,
+                                               inplace_backward=True)
             return tr.drop(x), head_weight
         pos = torch.arange(T, device=idx.device)
         return tr.drop(tr.wte(idx) + tr.wpe(pos)), tr.wte.weight

@@ -1,6 +1,8 @@
 """ops.embedding (weight[idx]) and ops.gpt_embedding (token plus position rows, with the tied
 head's gradient added into in its backward): backward an atomic scatter-add into fp32."""
 
+import functools
+
 import pytest
 import torch
 from torch.autograd import gradcheck
@@ -94,15 +96,16 @@ def test_gpt_embedding_gradcheck_with_and_without_the_head():
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
-@pytest.mark.parametrize("head", [True, False])
-def test_gpt_embedding_matches_the_twin_at_odd_shapes(deterministic, head):
-    """Column tails (C = 300), token tails, hot rows; the head's gradient added in place
-    (or no head)."""
+@pytest.mark.parametrize("head,inplace", [(True, True), (True, False), (False, True)])
+def test_gpt_embedding_matches_the_twin_at_odd_shapes(deterministic, head, inplace):
+    """Column tails (C = 300), token tails, hot rows; the head's gradient added into in
+    place, or into a copy (or no head)."""
     V, P, C = 97, 50, 300
     idx = torch.randint(0, V, (3, 45))
     idx[0, :20] = 5
     results = []
-    for fn in (ops.gpt_embedding, eager.gpt_embedding):
+    fused = functools.partial(ops.gpt_embedding, inplace_backward=inplace)
+    for fn in (fused, eager.gpt_embedding):
         torch.manual_seed(1)
         tw = torch.randn(V, C, requires_grad=True)
         pw = torch.randn(P, C, requires_grad=True)
@@ -202,16 +205,19 @@ def test_gpu_gpt_embedding_at_gpt2_shape():
     pw = (torch.randn(1024, 768, device="cuda") * 0.02).requires_grad_()
     g = torch.randn(16, 1024, 768, device="cuda")
     head_grad = torch.randn(50304, 768, device="cuda")
-    x, head_weight = ops.gpt_embedding(idx, tw, pw)
-    torch.autograd.backward((x, head_weight), (g, head_grad))
-    torch.testing.assert_close(x, tw[idx] + pw[None], rtol=0, atol=0)
-
     flat, g2 = idx.view(-1), g.view(-1, 768).double()
     ref = torch.ops.aten.embedding_dense_backward(g2, flat, 50304, -1, False) + head_grad.double()
     abs_sums = torch.ops.aten.embedding_dense_backward(g2.abs(), flat, 50304, -1, False)
     count = torch.bincount(flat, minlength=50304).double()[:, None]
     bound = count * 2.0 ** -24 * (abs_sums + head_grad.double().abs()) + 1e-12
-    assert ((tw.grad.double() - ref).abs() <= bound).all()
+    for inplace in (True, False):
+        tw.grad = pw.grad = None
+        given = head_grad.clone()
+        x, head_weight = ops.gpt_embedding(idx, tw, pw, inplace_backward=inplace)
+        torch.autograd.backward((x, head_weight), (g, given))
+        torch.testing.assert_close(x, tw[idx] + pw[None], rtol=0, atol=0)
+        assert ((tw.grad.double() - ref).abs() <= bound).all()
+        assert torch.equal(given, head_grad) != inplace  # added into, or left alone
     pos_ref = g.double().sum(0)
     pos_bound = 16 * 2.0 ** -24 * g.double().abs().sum(0) + 1e-12
     assert ((pw.grad.double() - pos_ref).abs() <= pos_bound).all()

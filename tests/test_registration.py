@@ -51,6 +51,9 @@ def first_calls():
         losses += [y.sum(), s.sum(), ops.layer_norm_gelu(x, leaf(C), leaf(C)).sum()]
         losses.append(ops.cross_entropy(leaf(B * T, 11), torch.randint(0, 11, (B * T,))))
         losses.append(ops.embedding(torch.tensor([[1, 4, 1]]), leaf(6, C)).sum())
+        xe, head_weight = ops.gpt_embedding(torch.tensor([[1, 4, 1]]), leaf(6, C), leaf(4, C),
+                                            inplace_backward=True)
+        losses.append((xe @ head_weight.t()).sum())
         sum(losses).backward()
     return mode.calls
 

@@ -101,15 +101,17 @@ def _(idx, dx, head_grad, num_rows, num_positions):
 class GPTEmbeddingFunction(torch.autograd.Function):
     """(x, head weight): the head weight is the token table itself, returned so that the
     head's gradient for it arrives in this backward, which adds the embedding's rows into
-    that (V, C) gradient in place: no zeroed (V, C) buffer of its own, and no second (V, C)
-    gradient for autograd to add (on an H200 at GPT-2's size each is a pass over 154 MB).
-    In place only when the kernels run directly; under torch.compile and dispatch modes
-    the registered (non-mutating) launcher copies the head's gradient first."""
+    it. With `inplace` into that (V, C) gradient itself: no (V, C) buffer of its own, and
+    no second (V, C) gradient for autograd to add (on an H200 at GPT-2's size each is a
+    pass over 154 MB); only when the kernels run directly: under torch.compile and
+    dispatch modes the registered (non-mutating) launcher copies the head's gradient."""
 
     @staticmethod
-    def forward(ctx, idx: Tensor, token_weight: Tensor, position_weight: Tensor):
+    def forward(ctx, idx: Tensor, token_weight: Tensor, position_weight: Tensor,
+                inplace: bool):
         ctx.save_for_backward(idx)
         ctx.tables = [(w.shape[0], w.dtype) for w in (token_weight, position_weight)]
+        ctx.inplace = inplace
         return _gpt_embedding_fwd(idx, token_weight, position_weight), token_weight
 
     @staticmethod
@@ -118,24 +120,29 @@ class GPTEmbeddingFunction(torch.autograd.Function):
         (V, token_dtype), (P, position_dtype) = ctx.tables
         if dx is None:
             dx = idx.new_zeros((*idx.shape, head_grad.shape[1]), dtype=head_grad.dtype)
-        in_place = (head_grad is not None and runs_directly(dx) and head_grad.is_contiguous()
-                    and head_grad.dtype == stat_dtype(dx))
+        in_place = (ctx.inplace and head_grad is not None and runs_directly(dx)
+                    and head_grad.is_contiguous() and head_grad.dtype == stat_dtype(dx))
         if in_place:
             dw, dpos = _gpt_embedding_grads(idx, dx, head_grad, V, P)
         else:
             dw, dpos = _gpt_embedding_bwd(idx, dx, head_grad, V, P)
-        return None, dw.to(token_dtype), dpos.to(position_dtype)
+        return None, dw.to(token_dtype), dpos.to(position_dtype), None
 
 
-def gpt_embedding(idx: Tensor, token_weight: Tensor,
-                  position_weight: Tensor) -> tuple[Tensor, Tensor]:
+def gpt_embedding(idx: Tensor, token_weight: Tensor, position_weight: Tensor,
+                  inplace_backward: bool = False) -> tuple[Tensor, Tensor]:
     """GPT's input embedding, with its tied output head's weight.
 
     idx: (B, T) token ids in [0, V), token_weight: (V, C), position_weight: (P, C), P >= T
     -> (x, head_weight): x = token_weight[idx] + position_weight[:T]: (B, T, C) in
     token_weight's dtype, and head_weight, token_weight itself, for the output head tied
     to the token table to read instead of token_weight: its gradient then meets the
-    embedding's in this op's backward, which adds one into the other in place.
+    embedding's in this op's backward, which adds the embedding's rows into it.
+
+    inplace_backward: add them into the head's incoming gradient itself, saving a (V, C)
+    buffer and a pass over it; that gradient's values are changed, so use it only when the
+    head's backward hands over a buffer of its own that nothing else reads (as GPT.loss's
+    head, ops.linear, does).
     """
     check_index_tensor("idx", idx, "token ids")
     check_tensor("token_weight", token_weight, ndim=2)
@@ -159,5 +166,6 @@ def gpt_embedding(idx: Tensor, token_weight: Tensor,
 
         return eager.gpt_embedding(idx, token_weight, position_weight)
     if torch.is_grad_enabled() and (token_weight.requires_grad or position_weight.requires_grad):
-        return GPTEmbeddingFunction.apply(idx, token_weight, position_weight)
+        return GPTEmbeddingFunction.apply(idx, token_weight, position_weight,
+                                          bool(inplace_backward))
     return _gpt_embedding_fwd(idx, token_weight, position_weight), token_weight
