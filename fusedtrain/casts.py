@@ -38,13 +38,15 @@ def autocast_dtype(t: torch.Tensor) -> torch.dtype | None:
 @contextmanager
 def grouped_casts(*params: torch.Tensor | None) -> Iterator[None]:
     """Within the block, `params` (None entries skipped) are cast to the autocast dtype
-    once, together, for `cast_params` to return. The copies carry no autograd history:
+    once, together, for `cast_params` to return (blocks nest: an inner block casts only
+    what the outer ones did not). The copies carry no autograd history:
     only an op that returns the parameter's gradient itself may read them, as the fused
     ops do. Does nothing outside autocast, under torch.compile (Inductor fuses the casts
     itself) and for parameters already in that dtype (FSDP's mixed precision)."""
     params = [p for p in params if p is not None]
     dtype = autocast_dtype(params[0]) if params else None
-    params = [p for p in params if p.is_floating_point() and p.dtype != dtype]
+    params = [p for p in params if p.is_floating_point() and p.dtype != dtype
+              and _prepared_copy(p, dtype) is None]  # not cast by an enclosing block
     if dtype is None or not params or torch.compiler.is_compiling():
         yield
         return

@@ -66,6 +66,22 @@ def test_grouped_casts_give_the_same_bits_and_no_cast_nodes(monkeypatch):
     assert id(eager_model.transformer.h[0].mlp.c_fc.weight) in _loss_and_grads(eager_model, idx)[2]
 
 
+@pytest.mark.parametrize("grad", [True, False])
+def test_one_grouped_cast_for_all_blocks_when_training(grad, monkeypatch):
+    """Training: one multi-tensor copy before the first block for every block's weights;
+    without gradients one a block."""
+    import fusedtrain.casts as casts
+
+    calls = []
+    copy = torch._foreach_copy_
+    monkeypatch.setattr(casts.torch, "_foreach_copy_", lambda *a: calls.append(1) or copy(*a))
+    model = _tiny(FUSED_LINEARS)
+    idx = torch.randint(0, 64, (2, 16))
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.set_grad_enabled(grad):
+        model.loss(idx, idx)
+    assert len(calls) == (1 if grad else model.config.n_layer)
+
+
 def test_grouped_casts_only_where_they_apply():
     lin = torch.nn.Linear(4, 3)
     bf16 = torch.bfloat16
