@@ -1,5 +1,6 @@
-"""Compile the attention kernels' autotune configs, and the persistent TMA GEMMs (the
-Linear+GELU/MLP and QKV kernels) at their table's tiles, for a Hopper GPU (sm_90) on a
+"""Compile the attention kernels' autotune configs, the persistent TMA GEMMs (the
+Linear+GELU/MLP and QKV kernels) at their table's tiles and the embedding kernels (as
+gpt_embedding runs them: token and position rows, fp32 tables), for a Hopper GPU (sm_90) on a
 machine without one, and print what each costs in registers, stack (register spills) and
 shared memory per config: a look at register pressure, and a check that the GPU's Triton
 compiles them at all, before spending device time.
@@ -12,7 +13,7 @@ machine's (put that version first on PYTHONPATH, e.g. `pip install --no-deps --t
 triton==3.6.0`): the figures guide, the GPU decides.
 
   python scripts/compile_report.py [--head-dim 128] [--causal] [--bias-sums]
-      [--kernels fwd dkdv dq linear_gelu_fwd dgelu gelu_rhs qkv_fwd qkv_dx]
+      [--kernels fwd dkdv dq linear_gelu_fwd dgelu gelu_rhs qkv_fwd qkv_dx emb_fwd emb_bwd]
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from fusedtrain.kernels import attention as A  # noqa: E402
+from fusedtrain.kernels import embedding as E  # noqa: E402
 from fusedtrain.kernels import linear_gelu as LG  # noqa: E402
 from fusedtrain.kernels import qkv as Q  # noqa: E402
 from fusedtrain.kernels._common import FAST_TANH  # noqa: E402
@@ -48,9 +50,12 @@ BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin"
 FP32_POINTERS = ("lse_ptr", "delta_ptr", "part_ptr", "c_ptr")
 
 
-def argument_type(name: str) -> str:
+def argument_type(name: str, pointers: dict[str, str]) -> str:
     """A kernel argument's type as at a bf16 benchmark shape: pointers to bf16 data (fp32
-    for FP32_POINTERS), fp32 softmax scales, i32 sizes and strides."""
+    for FP32_POINTERS; the kernel's own `pointers` first), fp32 softmax scales, i32 sizes
+    and strides."""
+    if name in pointers:
+        return pointers[name]
     if name.endswith("_ptr"):
         return "*fp32" if name in FP32_POINTERS else "*bf16"
     return "fp32" if name in ("qk_scale", "sm_scale") else "i32"
@@ -63,14 +68,23 @@ def _table_config() -> triton.Config:
     return triton.Config(meta, num_warps=warps, num_stages=stages)
 
 
-KERNELS = {"fwd": (A._attn_fwd_kernel, A.FWD_CONFIGS),
-           "dkdv": (A._attn_bwd_dkdv_kernel, A.BWD_KV_CONFIGS),
-           "dq": (A._attn_bwd_dq_kernel, A.BWD_Q_CONFIGS),
-           "linear_gelu_fwd": (LG._linear_gelu_fwd_tma_kernel, [_table_config()]),
-           "dgelu": (LG._matmul_dgelu_tma_kernel, [_table_config()]),
-           "gelu_rhs": (LG._matmul_gelu_rhs_tma_kernel, [_table_config()]),
-           "qkv_fwd": (Q._qkv_fwd_tma_kernel, [_table_config()]),
-           "qkv_dx": (Q._qkv_dx_tma_kernel, [_table_config()])}
+# The embedding kernels' one tile, and their pointers: int64 ids, fp32 tables and gradients.
+_EMB_CONFIG = [triton.Config({"BLOCK_T": E._BLOCK_T, "BLOCK_C": E._BLOCK_C},
+                             num_warps=E._WARPS)]
+_EMB_POINTERS = {"idx_ptr": "*i64", **dict.fromkeys(
+    ["w_ptr", "pos_ptr", "x_ptr", "dy_ptr", "dw_ptr", "dpos_ptr"], "*fp32")}
+
+# name -> (kernel, configs, pointer types that differ from argument_type's default)
+KERNELS = {"fwd": (A._attn_fwd_kernel, A.FWD_CONFIGS, {}),
+           "dkdv": (A._attn_bwd_dkdv_kernel, A.BWD_KV_CONFIGS, {}),
+           "dq": (A._attn_bwd_dq_kernel, A.BWD_Q_CONFIGS, {}),
+           "linear_gelu_fwd": (LG._linear_gelu_fwd_tma_kernel, [_table_config()], {}),
+           "dgelu": (LG._matmul_dgelu_tma_kernel, [_table_config()], {}),
+           "gelu_rhs": (LG._matmul_gelu_rhs_tma_kernel, [_table_config()], {}),
+           "qkv_fwd": (Q._qkv_fwd_tma_kernel, [_table_config()], {}),
+           "qkv_dx": (Q._qkv_dx_tma_kernel, [_table_config()], {}),
+           "emb_fwd": (E._embedding_fwd_kernel, _EMB_CONFIG, _EMB_POINTERS),
+           "emb_bwd": (E._embedding_bwd_kernel, _EMB_CONFIG, _EMB_POINTERS)}
 
 
 def jit_function(kernel) -> triton.runtime.jit.JITFunction:
@@ -79,14 +93,16 @@ def jit_function(kernel) -> triton.runtime.jit.JITFunction:
     return kernel
 
 
-def compile_config(kernel, config: triton.Config, constexprs: dict):
+def compile_config(kernel, config: triton.Config, constexprs: dict,
+                   pointers: dict[str, str] | None = None):
     fn = jit_function(kernel)
     # Names the kernel does not take (unit strides of tensors it has no pointer to)
     # are left out.
     unit_strides = {f"s_{t}d": 1 for t in "qkvogd"}
     consts = {n: v for n, v in {**unit_strides, **constexprs, **config.kwargs}.items()
               if n in fn.arg_names}
-    signature = {n: "constexpr" if n in consts else argument_type(n) for n in fn.arg_names}
+    signature = {n: "constexpr" if n in consts else argument_type(n, pointers or {})
+                 for n in fn.arg_names}
     # What triton's launcher tells the compiler at a benchmark shape: the unit strides of
     # the head dimension are the constant 1, every pointer is 16-byte aligned and every
     # other integer (sizes, strides) a multiple of 16. Without it, loads would compile to
@@ -129,16 +145,17 @@ def main(argv: list[str] | None = None) -> None:
     constexprs = dict(CAUSAL=args.causal, ACC=tl.float32, PRECISION="tf32",
                       BLOCK_D=args.head_dim, TMA=True, BIAS_SUMS=args.bias_sums,
                       GRAIN=A.BIAS_GRAIN, HAS_BIAS=True, STORE_H=True, APPROX=FAST_TANH.value,
-                      COL_SUMS=True, REDUCE=True,
+                      COL_SUMS=True, REDUCE=True, POSITIONS=True,
                       HEAD_D=args.head_dim if args.head_dim in (block_n // 2, block_n // 4) else 0)
     print(f"triton {triton.__version__}, target sm_90, bf16, head dim {args.head_dim}, "
           f"{'causal' if args.causal else 'full'}")
     for name in args.kernels:
-        kernel, configs = KERNELS[name]
+        kernel, configs, pointers = KERNELS[name]
         for config in configs:
-            m, n = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]
-            r = resources(compile_config(kernel, config, constexprs))
-            print(f"{name:5s} BLOCK_M {m:3d} BLOCK_N {n:3d} warps {config.num_warps:2d} "
+            tile = " ".join(f"{k} {v:3d}" for k, v in config.kwargs.items()
+                            if k in ("BLOCK_M", "BLOCK_N", "BLOCK_T", "BLOCK_C"))
+            r = resources(compile_config(kernel, config, constexprs, pointers))
+            print(f"{name:5s} {tile} warps {config.num_warps:2d} "
                   f"stages {config.num_stages}: {r['registers']:3d} registers, "
                   f"{r['stack_bytes']:5d} B stack, {r['shared_bytes'] // 1024:3d} KiB shared",
                   flush=True)

@@ -38,15 +38,20 @@ def _token_tile(idx_ptr, N, C, T, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
 
 
 @triton.jit
+def _rows_at(base, rows, stride, cols):
+    """Pointers to a (len(rows), len(cols)) tile: rows `rows` of a matrix at `base`."""
+    return base + rows[:, None] * stride + cols[None, :]
+
+
+@triton.jit
 def _embedding_fwd_kernel(idx_ptr, w_ptr, pos_ptr, x_ptr, N, C, T, s_w, s_pos, s_x,
                           POSITIONS: tl.constexpr, BLOCK_T: tl.constexpr,
                           BLOCK_C: tl.constexpr):
     tokens, rows, positions, cols, mask = _token_tile(idx_ptr, N, C, T, BLOCK_T, BLOCK_C)
-    x = tl.load(w_ptr + rows[:, None] * s_w + cols[None, :], mask=mask, other=0.0)
+    x = tl.load(_rows_at(w_ptr, rows, s_w, cols), mask=mask, other=0.0)
     if POSITIONS:
-        x += tl.load(pos_ptr + positions[:, None] * s_pos + cols[None, :], mask=mask, other=0.0)
-    tl.store(x_ptr + tokens[:, None] * s_x + cols[None, :], x.to(x_ptr.dtype.element_ty),
-             mask=mask)
+        x += tl.load(_rows_at(pos_ptr, positions, s_pos, cols), mask=mask, other=0.0)
+    tl.store(_rows_at(x_ptr, tokens, s_x, cols), x.to(x_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -54,12 +59,11 @@ def _embedding_bwd_kernel(idx_ptr, dy_ptr, dw_ptr, dpos_ptr, N, C, T, s_dy, s_dw
                           POSITIONS: tl.constexpr, BLOCK_T: tl.constexpr,
                           BLOCK_C: tl.constexpr):
     tokens, rows, positions, cols, mask = _token_tile(idx_ptr, N, C, T, BLOCK_T, BLOCK_C)
-    g = tl.load(dy_ptr + tokens[:, None] * s_dy + cols[None, :], mask=mask, other=0.0)
+    g = tl.load(_rows_at(dy_ptr, tokens, s_dy, cols), mask=mask, other=0.0)
     g = g.to(dw_ptr.dtype.element_ty)
-    tl.atomic_add(dw_ptr + rows[:, None] * s_dw + cols[None, :], g, mask=mask, sem="relaxed")
+    tl.atomic_add(_rows_at(dw_ptr, rows, s_dw, cols), g, mask=mask, sem="relaxed")
     if POSITIONS:
-        tl.atomic_add(dpos_ptr + positions[:, None] * s_dpos + cols[None, :], g, mask=mask,
-                      sem="relaxed")
+        tl.atomic_add(_rows_at(dpos_ptr, positions, s_dpos, cols), g, mask=mask, sem="relaxed")
 
 
 def _grid(N: int, C: int) -> tuple[int, int]:
