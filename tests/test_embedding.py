@@ -140,6 +140,18 @@ def test_gpt_embedding_compile_fullgraph_matches_eager():
         torch.testing.assert_close(a, r)
 
 
+def test_gpt_embedding_out_of_range_ids_give_nan_rows_and_no_gradient():
+    tw, pw = _gpt_inputs(V=5, P=4, C=3)
+    idx = torch.tensor([[0, 5, -1, 4]])  # 5 and -1 are outside [0, 5)
+    x, head_weight = ops.gpt_embedding(idx, tw, pw)
+    assert x[0, 1].isnan().all() and x[0, 2].isnan().all()
+    torch.testing.assert_close(x[0, [0, 3]], tw[[0, 4]] + pw[[0, 3]])
+    x.nan_to_num(0.0).sum().backward()
+    used = torch.zeros_like(tw).index_fill_(0, torch.tensor([0, 4]), 1.0)
+    torch.testing.assert_close(tw.grad, used)
+    torch.testing.assert_close(pw.grad[:, 0], torch.tensor([1.0, 0.0, 0.0, 1.0], dtype=F64))
+
+
 def test_gpt_embedding_bad_inputs():
     tw, pw = _gpt_inputs()
     idx = torch.zeros(2, 4, dtype=torch.long)

@@ -135,9 +135,11 @@ def gpt_embedding(idx: Tensor, token_weight: Tensor, position_weight: Tensor,
 
     idx: (B, T) token ids in [0, V), token_weight: (V, C), position_weight: (P, C), P >= T
     -> (x, head_weight): x = token_weight[idx] + position_weight[:T]: (B, T, C) in
-    token_weight's dtype, and head_weight, token_weight itself, for the output head tied
-    to the token table to read instead of token_weight: its gradient then meets the
-    embedding's in this op's backward, which adds the embedding's rows into it.
+    token_weight's dtype (a row of NaN for an id outside [0, V), which gets no gradient:
+    checking the ids on the host would cost a sync), and head_weight, token_weight itself,
+    for the output head tied to the token table to read instead of token_weight: its
+    gradient then meets the embedding's in this op's backward, which adds the embedding's
+    rows into it.
 
     inplace_backward: add them into the head's incoming gradient itself, saving a (V, C)
     buffer and a pass over it; that gradient's values are changed, so use it only when the
