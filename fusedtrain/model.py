@@ -154,9 +154,9 @@ class GPT(nn.Module):
             # In place: the head (ops.linear) hands its weight's gradient over fresh.
             x, head_weight = ops.gpt_embedding(idx, tr.wte.weight, tr.wpe.weight,
                                                inplace_backward=True)
-            return tr.drop(x), head_weight
-        pos = torch.arange(T, device=idx.device)
-        return tr.drop(tr.wte(idx) + tr.wpe(pos)), tr.wte.weight
+        else:
+            x, head_weight = eager.gpt_embedding(idx, tr.wte.weight, tr.wpe.weight)
+        return tr.drop(x), head_weight
 
     def logits(self, stream: torch.Tensor, delta: torch.Tensor | None = None,
                delta_bias: torch.Tensor | None = None,

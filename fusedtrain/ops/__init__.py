@@ -14,6 +14,5 @@ from fusedtrain.ops.qkv_attention import qkv_attention
 __all__ = [
     "add_layer_norm", "cross_entropy", "embedding", "flash_attention", "fused_mlp",
     "gpt_embedding", "layer_norm", "layer_norm_gelu", "linear", "linear_gelu", "qkv_attention",
-    "qkv_projection",
-    "register_inductor_fallbacks",
+    "qkv_projection", "register_inductor_fallbacks",
 ]

@@ -98,9 +98,11 @@ def autocast_params(x: torch.Tensor,
     (fusedtrain.casts.cast_params) and returns their gradients in their own dtypes. Under
     autocast: x cast to the autocast dtype, and that dtype if some parameter has another;
     otherwise x unchanged and None (the parameters are used as they are)."""
-    (x,) = autocast_cast(x)
     dt = autocast_dtype(x)
-    if dt is None or all(p is None or p.dtype == dt or not p.is_floating_point()
-                         for p in params):
+    if dt is None:
+        return x, None
+    if x.is_floating_point():
+        x = x.to(dt)
+    if all(p is None or p.dtype == dt or not p.is_floating_point() for p in params):
         return x, None
     return x, dt
