@@ -259,6 +259,18 @@ def test_tma_alignment_rule():
     assert not tma_aligned(torch.randn(64, 70))  # row stride 280 bytes
 
 
+def test_warp_specialised_kernels_stay_off_the_cpu_path(monkeypatch):
+    """The Gluon kernels (sm_90, triton 3.6 only) never take CPU tensors or the interpreter;
+    the Triton kernels run there."""
+    from fusedtrain.kernels import _tma
+
+    a = torch.randn(64, 72, dtype=torch.bfloat16)
+    assert not _tma.ws_ok(a, a)
+    monkeypatch.setattr(_tma, "INTERPRET", False)
+    monkeypatch.setattr(triton, "__version__", _tma.GLUON_TRITON + "0")
+    assert not _tma.ws_ok(a, a)  # not on a GPU
+
+
 def test_split_k_count_balances_the_persistent_grid(monkeypatch):
     """k_splits picks the slice count whose work items spread most evenly over the SMs:
     GPT-2's dW2 (72 tiles of 128 x 256 on 132 SMs) -> 7 slices (504 items: 4 rounds of
@@ -350,6 +362,40 @@ def test_gpu_bf16_accuracy(M, K, N, approximate):
     check_against_oracle(lambda *a: ops.linear_gelu(*a, approximate),
                          lambda *a: eager.linear_gelu(*a, approximate), inputs[:3], 1e-2, 1e-2,
                          "linear_gelu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,K,N", [(1000, 72, 3000), (16384, 768, 3072), (129, 1000, 200)])
+@pytest.mark.parametrize("approximate,bias", [("tanh", True), ("none", False)])
+def test_gpu_warp_specialised_gemms_match_the_triton_kernels(M, K, N, approximate, bias):
+    """The Gluon forward and dGELU GEMMs (used on sm_90) against the Triton TMA kernels
+    (forced by a config) on the same bf16 data: every dimension with a tail in the first
+    and last shapes, several tiles per consumer at gpt2's. Same fp32 accumulation over the
+    same K steps, so equal to a bf16 rounding; the column sums to fp32's."""
+    from fusedtrain.kernels import linear_gelu as Kn
+    from fusedtrain.kernels._tma import tma_config, ws_ok
+
+    dev = "cuda"
+    x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
+    w = (torch.randn(N, K, device=dev) / K ** 0.5).bfloat16()
+    b = torch.randn(N, device=dev, dtype=torch.bfloat16) if bias else None
+    dy = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
+    w2 = (torch.randn(K, N, device=dev) / 9).bfloat16()
+    if not ws_ok(x, w, dy, w2):
+        pytest.skip("the warp-specialised kernels need an sm_90 GPU and triton 3.6")
+    cfg = tma_config(N)
+    y, h = Kn.linear_gelu_fwd(x, w, b, approximate, store_h=True)
+    y_ref, h_ref = Kn.linear_gelu_fwd(x, w, b, approximate, store_h=True, config=cfg)
+    torch.testing.assert_close(h, h_ref)
+    torch.testing.assert_close(y, y_ref)
+    y_only, none = Kn.linear_gelu_fwd(x, w, b, approximate, store_h=False)
+    assert none is None
+    torch.testing.assert_close(y_only, y_ref)
+    dh, db = Kn.matmul_dgelu(dy, w2, h, approximate, torch.float32)
+    dh_ref, db_ref = Kn.matmul_dgelu(dy, w2, h, approximate, torch.float32, config=cfg)
+    torch.testing.assert_close(dh, dh_ref)
+    torch.testing.assert_close(db, db_ref, rtol=1e-4, atol=1e-3)
+    assert Kn.matmul_dgelu(dy, w2, h, approximate)[1] is None
 
 
 @pytest.mark.gpu

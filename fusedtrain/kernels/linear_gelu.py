@@ -13,7 +13,9 @@
 Each GEMM has two versions: a persistent one loading through TMA descriptors (Hopper,
 16-bit data, TMA-aligned operands; tiles from kernels._tma.tma_config's measured table),
 and a pointer-based one for every other case (any strides, fp32/fp64; block sizes from
-triton.autotune over Hopper-leaning tilings, keyed on M, N, K, cached on disk).
+triton.autotune over Hopper-leaning tilings, keyed on M, N, K, cached on disk). On an
+sm_90 GPU the forward and dGELU GEMMs run instead as warp-specialised Gluon kernels
+(linear_gelu_ws), whose epilogues overlap the MMAs (where _tma.ws_ok allows).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from fusedtrain.kernels._tma import (
     tma_config,
     tma_matmul,
     tma_ok,
+    ws_ok,
 )
 from fusedtrain.kernels.bias_grad import bias_grad, store_column_sums
 
@@ -256,6 +259,11 @@ def linear_gelu_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     h_arg = h if store_h else y  # never written when STORE_H is off
     b_arg = bias if bias is not None else x
     flags = dict(HAS_BIAS=bias is not None, STORE_H=store_h, **gemm_flags(x, approximate))
+    if config is None and ws_ok(x, weight, y):
+        from fusedtrain.kernels import linear_gelu_ws  # Gluon: imported where it compiles
+
+        linear_gelu_ws.linear_gelu_fwd(x, weight, bias, y, h, flags["APPROX"])
+        return y, h
     if tma_ok(x, weight, y):
         cfg = config or tma_config(N)
         tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
@@ -284,6 +292,13 @@ def matmul_dgelu(dy: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, approximat
     dh = torch.empty((M, N), device=dy.device, dtype=dy.dtype)
     flags = gemm_flags(dy, approximate)
     col_sums = sums_dtype is not None
+    if config is None and ws_ok(dy, w2, h):
+        from fusedtrain.kernels import _ws, linear_gelu_ws
+
+        parts = (torch.empty((triton.cdiv(M, _ws.BM.value), N), device=dy.device,
+                             dtype=stat_dtype(dy)) if col_sums else None)
+        linear_gelu_ws.matmul_dgelu(dy, w2, h, dh, parts, flags["APPROX"])
+        return dh, bias_grad(parts, sums_dtype) if col_sums else None
     if tma_ok(dy, w2, h):
         cfg = config or tma_config(N)
         tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
