@@ -365,13 +365,15 @@ def test_gpu_bf16_accuracy(M, K, N, approximate):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("M,K,N", [(1000, 72, 3000), (16384, 768, 3072), (129, 1000, 200)])
+@pytest.mark.parametrize("M,K,N", [(1000, 72, 3000), (16384, 768, 3072), (129, 1000, 200),
+                                   (1, 64, 136)])
 @pytest.mark.parametrize("approximate,bias", [("tanh", True), ("none", False)])
 def test_gpu_warp_specialised_gemms_match_the_triton_kernels(M, K, N, approximate, bias):
     """The Gluon forward and dGELU GEMMs (used on sm_90) against the Triton TMA kernels
     (forced by a config) on the same bf16 data: every dimension with a tail in the first
-    and last shapes, several tiles per consumer at gpt2's. Same fp32 accumulation over the
-    same K steps, so equal to a bf16 rounding; the column sums to fp32's."""
+    and third shapes, several tiles per consumer at gpt2's, one row in the last (sizes of
+    1 reach the kernels as constants). The same fp32 accumulation over the same K steps,
+    so equal to a bf16 rounding; the column sums to fp32's."""
     from fusedtrain.kernels import linear_gelu as Kn
     from fusedtrain.kernels._tma import tma_config, ws_ok
 

@@ -113,8 +113,9 @@ def make_pipe(a_desc, b_desc, M, N, K, B_TRANS: gl.constexpr):
                                        a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape,
                                        b_desc.layout)
+    # Sizes as tensors: triton passes an int argument equal to 1 as a constant.
     return Pipe(a_desc, b_desc, a_bufs, b_bufs, _barriers(STAGES), _barriers(STAGES),
-                _barriers(2), M, N, K, B_TRANS)
+                _barriers(2), gl.to_tensor(M), gl.to_tensor(N), gl.to_tensor(K), B_TRANS)
 
 
 @gluon.jit

@@ -66,8 +66,8 @@ def _linear_gelu_fwd_ws_kernel(x_ptr, w_ptr, b_ptr, y_ptr, h_ptr, M, N, K, s_xm,
     y_desc = matrix_desc(y_ptr, M, N, s_ym, BM, BN)
     p = make_pipe(matrix_desc(x_ptr, M, K, s_xm, BM, BK), matrix_desc(w_ptr, N, K, s_wn, BN, BK),
                   M, N, K, True)
-    args = _FwdArgs(y_desc, matrix_desc(h_ptr, M, N, s_hm, BM, BN), b_ptr, N, HAS_BIAS, STORE_H,
-                    APPROX)
+    args = _FwdArgs(y_desc, matrix_desc(h_ptr, M, N, s_hm, BM, BN), b_ptr, gl.to_tensor(N),
+                    HAS_BIAS, STORE_H, APPROX)
     run(p, args, y_desc, no_prefetch, _fwd_epilogue)
 
 
@@ -112,8 +112,8 @@ def _matmul_dgelu_ws_kernel(dy_ptr, w_ptr, h_ptr, dh_ptr, part_ptr, M, N, K, s_d
     h_desc = matrix_desc(h_ptr, M, N, s_hm, BM, BN)
     p = make_pipe(matrix_desc(dy_ptr, M, K, s_dym, BM, BK), matrix_desc(w_ptr, K, N, s_wk, BK, BN),
                   M, N, K, False)
-    args = _DgeluArgs(h_desc, matrix_desc(dh_ptr, M, N, s_dhm, BM, BN), part_ptr, N, COL_SUMS,
-                      APPROX)
+    args = _DgeluArgs(h_desc, matrix_desc(dh_ptr, M, N, s_dhm, BM, BN), part_ptr,
+                      gl.to_tensor(N), COL_SUMS, APPROX)
     run(p, args, h_desc, _load_h, _dgelu_epilogue)
 
 
