@@ -13,7 +13,12 @@ machine's (put that version first on PYTHONPATH, e.g. `pip install --no-deps --t
 triton==3.6.0`): the figures guide, the GPU decides.
 
   python scripts/compile_report.py [--head-dim 128] [--causal] [--bias-sums]
-      [--kernels fwd dkdv dq linear_gelu_fwd dgelu gelu_rhs qkv_fwd qkv_dx emb_fwd emb_bwd]
+      [--kernels fwd dkdv dq linear_gelu_fwd dgelu gelu_rhs qkv_fwd qkv_dx emb_fwd emb_bwd
+                 linear_gelu_fwd_ws dgelu_ws]
+
+The last two are the warp-specialised Gluon kernels (kernels._ws), written against the
+Gluon API of one triton release (_tma.GLUON_TRITON): with another, they are reported as
+skipped.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ from fusedtrain.kernels import embedding as E  # noqa: E402
 from fusedtrain.kernels import linear_gelu as LG  # noqa: E402
 from fusedtrain.kernels import qkv as Q  # noqa: E402
 from fusedtrain.kernels._common import FAST_TANH  # noqa: E402
-from fusedtrain.kernels._tma import tma_config  # noqa: E402
+from fusedtrain.kernels._tma import GLUON_TRITON, tma_config  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -87,6 +92,12 @@ KERNELS = {"fwd": (A._attn_fwd_kernel, A.FWD_CONFIGS, {}),
            "emb_bwd": (E._embedding_bwd_kernel, _EMB_CONFIG, _EMB_POINTERS)}
 
 
+# Gluon kernels (name -> the kernel's name in kernels.linear_gelu_ws), as the gpt2 step runs
+# them: bias, h stored, tanh GELU, column sums.
+WS_KERNELS = {"linear_gelu_fwd_ws": "_linear_gelu_fwd_ws_kernel",
+              "dgelu_ws": "_matmul_dgelu_ws_kernel"}
+
+
 def jit_function(kernel) -> triton.runtime.jit.JITFunction:
     while not isinstance(kernel, triton.runtime.jit.JITFunction):
         kernel = kernel.fn  # through the autotuner
@@ -115,6 +126,22 @@ def compile_config(kernel, config: triton.Config, constexprs: dict,
                                                           "num_stages": config.num_stages})
 
 
+def compile_ws(name: str, constexprs: dict):
+    """A Gluon kernel of WS_KERNELS, compiled as launched (kernels._ws.launch)."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from fusedtrain.kernels import _ws, linear_gelu_ws
+
+    fn = getattr(linear_gelu_ws, WS_KERNELS[name])
+    consts = {n: v for n, v in constexprs.items() if n in fn.arg_names}
+    signature = {n: "constexpr" if n in consts else argument_type(n, {}) for n in fn.arg_names}
+    divisible = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+                 if signature[n].startswith("*") or (signature[n] == "i32" and n.startswith("s_"))}
+    source = GluonASTSource(fn, signature=signature, constexprs=consts, attrs=divisible)
+    return triton.compile(source, target=HOPPER, options={"num_warps": 4,
+                                                          "maxnreg": _ws._MAXNREG})
+
+
 def resources(compiled) -> dict[str, int]:
     """Registers per thread, stack bytes per thread (spills) and shared memory bytes."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -134,7 +161,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--head-dim", type=int, default=128,
                    help="the attention's BLOCK_D (16, 32, 64 or 128), and the QKV forward's D")
     p.add_argument("--causal", action="store_true")
-    p.add_argument("--kernels", nargs="+", choices=list(KERNELS), default=list(KERNELS))
+    p.add_argument("--kernels", nargs="+", choices=[*KERNELS, *WS_KERNELS],
+                   default=[*KERNELS, *WS_KERNELS])
     p.add_argument("--bias-sums", action="store_true",
                    help="the dq kernel also sums the QKV bias gradient (ops.qkv_attention)")
     args = p.parse_args(argv)
@@ -150,6 +178,19 @@ def main(argv: list[str] | None = None) -> None:
     print(f"triton {triton.__version__}, target sm_90, bf16, head dim {args.head_dim}, "
           f"{'causal' if args.causal else 'full'}")
     for name in args.kernels:
+        if name in WS_KERNELS:
+            if not triton.__version__.startswith(GLUON_TRITON):
+                print(f"{name}: skipped (a Gluon kernel, written for triton {GLUON_TRITON}x)")
+                continue
+            from fusedtrain.kernels import _ws
+
+            compiled = compile_ws(name, constexprs)
+            r = resources(compiled)
+            print(f"{name:5s} BLOCK_M {_ws.BM.value:3d} BLOCK_N {_ws.BN.value:3d} warps "
+                  f"{compiled.metadata.num_warps:2d} stages {_ws.STAGES.value}: "
+                  f"{r['registers']:3d} registers, {r['stack_bytes']:5d} B stack, "
+                  f"{r['shared_bytes'] // 1024:3d} KiB shared", flush=True)
+            continue
         kernel, configs, pointers = KERNELS[name]
         for config in configs:
             tile = " ".join(f"{k} {v:3d}" for k, v in config.kwargs.items()

@@ -107,6 +107,28 @@ def test_compile_report_compiles_the_tma_gemms_for_hopper_without_a_gpu(tmp_path
         assert 0 < int(registers) <= 255 and (name.startswith("emb") or 0 < int(shared) <= 228)
 
 
+def test_compile_report_compiles_the_gluon_gemms_with_their_triton_only(tmp_path):
+    """scripts/compile_report.py on the warp-specialised Gluon GEMMs: compiled for sm_90
+    with the triton release they are written for (registers within the launch's cap of
+    168, 12 warps: 4 + 4 + 1 in whole warpgroups), reported as skipped with any other."""
+    import triton
+
+    from fusedtrain.kernels._tma import GLUON_TRITON
+
+    names = ["linear_gelu_fwd_ws", "dgelu_ws"]
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "compile_report.py"),
+                        "--kernels", *names], capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "TRITON_CACHE_DIR": str(tmp_path)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    if not triton.__version__.startswith(GLUON_TRITON):
+        assert re.findall(r"^(\w+): skipped", r.stdout, re.M) == names
+        return
+    rows = re.findall(r"^(\w+) +BLOCK_M +128 BLOCK_N +128 warps +12 stages 4: +(\d+) "
+                      r"registers, +(\d+) B stack", r.stdout, re.M)
+    assert [row[0] for row in rows] == names
+    assert all(int(regs) <= 168 and int(stack) == 0 for _, regs, stack in rows)
+
+
 def test_kernel_report_renders_the_rows_a_gpu_run_wrote(tmp_path, capsys):
     """The table and chart of `bench.py kernels`, from rows an H200 run saved (the
     benchmarks themselves need a GPU)."""

@@ -375,6 +375,7 @@ def test_gpu_warp_specialised_gemms_match_the_triton_kernels(M, K, N, approximat
     1 reach the kernels as constants). The same fp32 accumulation over the same K steps,
     so equal to a bf16 rounding; the column sums to fp32's."""
     from fusedtrain.kernels import linear_gelu as Kn
+    from fusedtrain.kernels import linear_gelu_ws
     from fusedtrain.kernels._tma import tma_config, ws_ok
 
     dev = "cuda"
@@ -386,12 +387,14 @@ def test_gpu_warp_specialised_gemms_match_the_triton_kernels(M, K, N, approximat
     if not ws_ok(x, w, dy, w2):
         pytest.skip("the warp-specialised kernels need an sm_90 GPU and triton 3.6")
     cfg = tma_config(N)
-    y, h = Kn.linear_gelu_fwd(x, w, b, approximate, store_h=True)
+    # The forward kernel itself (linear_gelu_fwd takes it only where N >= K).
+    y, h, y_only = (torch.empty(M, N, device=dev, dtype=torch.bfloat16) for _ in range(3))
+    approx = gelu_mode(approximate, x)
+    linear_gelu_ws.linear_gelu_fwd(x, w, b, y, h, approx)
+    linear_gelu_ws.linear_gelu_fwd(x, w, b, y_only, None, approx)
     y_ref, h_ref = Kn.linear_gelu_fwd(x, w, b, approximate, store_h=True, config=cfg)
     torch.testing.assert_close(h, h_ref)
     torch.testing.assert_close(y, y_ref)
-    y_only, none = Kn.linear_gelu_fwd(x, w, b, approximate, store_h=False)
-    assert none is None
     torch.testing.assert_close(y_only, y_ref)
     dh, db = Kn.matmul_dgelu(dy, w2, h, approximate, torch.float32)
     dh_ref, db_ref = Kn.matmul_dgelu(dy, w2, h, approximate, torch.float32, config=cfg)

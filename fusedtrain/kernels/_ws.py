@@ -24,7 +24,6 @@ barrier for them. Gluon kernels do not run under the interpreter: the Triton ker
 the CPU path, and the reference these are tested against on the GPU.
 """
 
-
 import torch
 import triton
 from triton.experimental import gluon

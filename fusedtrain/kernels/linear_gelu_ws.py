@@ -9,7 +9,6 @@ runs under the other consumer's MMAs.
                     partial sums, one row per BM rows of dh).
 """
 
-
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
