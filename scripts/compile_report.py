@@ -104,14 +104,12 @@ def jit_function(kernel) -> triton.runtime.jit.JITFunction:
     return kernel
 
 
-def compile_config(kernel, config: triton.Config, constexprs: dict,
-                   pointers: dict[str, str] | None = None):
-    fn = jit_function(kernel)
+def _specialised(fn, constexprs: dict, pointers: dict[str, str] | None = None):
+    """(constexprs, signature, attributes) of fn as launched at a benchmark shape."""
     # Names the kernel does not take (unit strides of tensors it has no pointer to)
     # are left out.
     unit_strides = {f"s_{t}d": 1 for t in "qkvogd"}
-    consts = {n: v for n, v in {**unit_strides, **constexprs, **config.kwargs}.items()
-              if n in fn.arg_names}
+    consts = {n: v for n, v in {**unit_strides, **constexprs}.items() if n in fn.arg_names}
     signature = {n: "constexpr" if n in consts else argument_type(n, pointers or {})
                  for n in fn.arg_names}
     # What triton's launcher tells the compiler at a benchmark shape: the unit strides of
@@ -121,6 +119,13 @@ def compile_config(kernel, config: triton.Config, constexprs: dict,
     divisible = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
                  if signature[n] != "constexpr" and (signature[n].startswith("*")
                                                      or signature[n] == "i32")}
+    return consts, signature, divisible
+
+
+def compile_config(kernel, config: triton.Config, constexprs: dict,
+                   pointers: dict[str, str] | None = None):
+    fn = jit_function(kernel)
+    consts, signature, divisible = _specialised(fn, {**constexprs, **config.kwargs}, pointers)
     source = ASTSource(fn, signature=signature, constexprs=consts, attrs=divisible)
     return triton.compile(source, target=HOPPER, options={"num_warps": config.num_warps,
                                                           "num_stages": config.num_stages})
@@ -133,10 +138,7 @@ def compile_ws(name: str, constexprs: dict):
     from fusedtrain.kernels import _ws, linear_gelu_ws
 
     fn = getattr(linear_gelu_ws, WS_KERNELS[name])
-    consts = {n: v for n, v in constexprs.items() if n in fn.arg_names}
-    signature = {n: "constexpr" if n in consts else argument_type(n, {}) for n in fn.arg_names}
-    divisible = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-                 if signature[n].startswith("*") or (signature[n] == "i32" and n.startswith("s_"))}
+    consts, signature, divisible = _specialised(fn, constexprs)
     source = GluonASTSource(fn, signature=signature, constexprs=consts, attrs=divisible)
     return triton.compile(source, target=HOPPER, options={"num_warps": 4,
                                                           "maxnreg": _ws._MAXNREG})
