@@ -51,7 +51,7 @@ from fusedtrain.kernels._tma import GLUON_TRITON, tma_config  # noqa: E402
 HOPPER = GPUTarget("cuda", 90, 32)
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
-# fp32 buffers: the attention's statistics, partial sums, the split-K dW2 sum (REDUCE).
+# fp32 buffers: the attention's statistics, partial sums, the stream-K dW2 sum (STREAM_K).
 FP32_POINTERS = ("lse_ptr", "delta_ptr", "part_ptr", "c_ptr")
 
 
@@ -169,13 +169,13 @@ def main(argv: list[str] | None = None) -> None:
                    help="the dq kernel also sums the QKV bias gradient (ops.qkv_attention)")
     args = p.parse_args(argv)
     # Each kernel takes the ones it names: the attention's, then the GEMMs' epilogues as
-    # the fused gpt2 step runs them (bias, h stored, tanh GELU, column sums, split-K sums
+    # the fused gpt2 step runs them (bias, h stored, tanh GELU, column sums, stream-K sums
     # added in place, q, k, v stored a head at a time when the head dim allows).
     block_n = _table_config().kwargs["BLOCK_N"]
     constexprs = dict(CAUSAL=args.causal, ACC=tl.float32, PRECISION="tf32",
                       BLOCK_D=args.head_dim, TMA=True, BIAS_SUMS=args.bias_sums,
                       GRAIN=A.BIAS_GRAIN, HAS_BIAS=True, STORE_H=True, APPROX=FAST_TANH.value,
-                      COL_SUMS=True, REDUCE=True, POSITIONS=True,
+                      COL_SUMS=True, STREAM_K=True, POSITIONS=True,
                       HEAD_D=args.head_dim if args.head_dim in (block_n // 2, block_n // 4) else 0)
     print(f"triton {triton.__version__}, target sm_90, bf16, head dim {args.head_dim}, "
           f"{'causal' if args.causal else 'full'}")

@@ -131,11 +131,12 @@ def enable_device_descriptors() -> None:
 
 
 def launch(kernel, work_items: int, device: torch.device, *args, config: TmaConfig,
-           **constexprs) -> None:
-    """Launch a persistent TMA kernel: config.programs(...) programs, with config's tile
-    shape and warps."""
+           programs: int | None = None, **constexprs) -> None:
+    """Launch a persistent TMA kernel: `programs` programs (default config.programs(...)),
+    with config's tile shape and warps."""
     enable_device_descriptors()
-    kernel[(config.programs(work_items, device),)](*args, **constexprs, **config.meta())
+    grid = (programs or config.programs(work_items, device),)
+    kernel[grid](*args, **constexprs, **config.meta())
 
 
 @device_fn

@@ -205,37 +205,65 @@ def _matmul_dgelu_tma_kernel(
                      APPROX, COL_SUMS)
 
 
+@device_fn
+def _gelu_rhs_piece(h_desc, dy_desc, c_desc, s, tile, k0, k_len, M, N,
+                    STREAM_K: tl.constexpr, APPROX: tl.constexpr, ACC: tl.constexpr,
+                    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """Output tile `tile` of C.T over k in [k0, k0 + k_len): added into C[0] (STREAM_K) or
+    stored as slice s of C."""
+    off_n, off_m = tile_origin(tile, N, M, BLOCK_M, BLOCK_N, GROUP_M)
+    acc = tma_matmul(h_desc, dy_desc, off_n, off_m, k0, k_len, ACC, PRECISION,
+                     BLOCK_M, BLOCK_N, BLOCK_K, A_TRANS=True, A_GELU=True, APPROX=APPROX)
+    top, bottom = column_halves(tl.trans(acc), BLOCK_N, BLOCK_M)
+    if STREAM_K:
+        reduce_tile(c_desc, [0, off_m, off_n], top[None, :, :])
+        reduce_tile(c_desc, [0, off_m, off_n + BLOCK_M // 2], bottom[None, :, :])
+    else:
+        c_desc.store([s, off_m, off_n], top.to(c_desc.dtype)[None, :, :])
+        c_desc.store([s, off_m, off_n + BLOCK_M // 2], bottom.to(c_desc.dtype)[None, :, :])
+
+
 @triton.jit
 def _matmul_gelu_rhs_tma_kernel(
     h_ptr, dy_ptr, c_ptr, M, N, K, K_SPLIT, SPLITS, s_hk, s_dyk, s_cs, s_cm,
-    REDUCE: tl.constexpr, APPROX: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
+    STREAM_K: tl.constexpr, APPROX: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     # Computes C.T = gelu(h).T @ dy, whose recomputed operand is A (see tma_matmul), one
     # (BLOCK_M features of h) x (BLOCK_N features of dy) tile at a time, stored transposed.
-    # Work item w = (slice s, tile): reduce k in [s * K_SPLIT, (s + 1) * K_SPLIT) into
-    # slice s of C (SPLITS, M, N), or, with REDUCE, add it into C (1, M, N) (fp32, zeroed by
-    # the host) by TMA bulk reductions; K_SPLIT is a multiple of BLOCK_K, so no tile of k
-    # straddles two slices.
+    # STREAM_K: the programs share out the (tile, k step) pairs, tile after tile, in equal
+    # runs; each piece of a tile a run holds adds into C (1, M, N) (fp32, zeroed by the
+    # host) by TMA bulk reductions. Every SM gets the same MMA work (at gpt2's dW2, 72
+    # tiles for 132 SMs) and at most two or three tile epilogues, where equal split-K
+    # slices gave some SMs more work items than others and each item its own epilogue.
+    # Otherwise work item w = (slice s, tile) reduces k in [s * K_SPLIT, (s + 1) * K_SPLIT)
+    # into slice s of C (SPLITS, M, N); K_SPLIT is a multiple of BLOCK_K.
     h_desc = matrix_desc(h_ptr, K, N, s_hk, BLOCK_K, BLOCK_M)
     dy_desc = matrix_desc(dy_ptr, K, M, s_dyk, BLOCK_K, BLOCK_N)
     c_desc = tl.make_tensor_descriptor(c_ptr, shape=[SPLITS, M, N], strides=[s_cs, s_cm, 1],
                                        block_shape=[1, BLOCK_N, BLOCK_M // 2])
     tiles = cdiv(N, BLOCK_M) * cdiv(M, BLOCK_N)
-    for w in tl.range(tl.program_id(0), tiles * SPLITS, tl.num_programs(0), flatten=True):
-        s = w // tiles
-        off_n, off_m = tile_origin(w % tiles, N, M, BLOCK_M, BLOCK_N, GROUP_M)
-        k0 = s * K_SPLIT
-        acc = tma_matmul(h_desc, dy_desc, off_n, off_m, k0, tl.minimum(K - k0, K_SPLIT),
-                         ACC, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
-                         A_TRANS=True, A_GELU=True, APPROX=APPROX)
-        top, bottom = column_halves(tl.trans(acc), BLOCK_N, BLOCK_M)
-        if REDUCE:
-            reduce_tile(c_desc, [0, off_m, off_n], top[None, :, :])
-            reduce_tile(c_desc, [0, off_m, off_n + BLOCK_M // 2], bottom[None, :, :])
-        else:
-            c_desc.store([s, off_m, off_n], top.to(c_desc.dtype)[None, :, :])
-            c_desc.store([s, off_m, off_n + BLOCK_M // 2], bottom.to(c_desc.dtype)[None, :, :])
+    if STREAM_K:
+        k_steps = cdiv(K, BLOCK_K)
+        units = tiles.to(tl.int64) * k_steps
+        u = tl.program_id(0) * units // tl.num_programs(0)
+        end = (tl.program_id(0) + 1) * units // tl.num_programs(0)
+        while u < end:
+            step = u % k_steps
+            run = tl.minimum(k_steps - step, end - u)
+            k0 = (step * BLOCK_K).to(tl.int32)
+            _gelu_rhs_piece(h_desc, dy_desc, c_desc, 0, (u // k_steps).to(tl.int32), k0,
+                            tl.minimum(K - k0, (run * BLOCK_K).to(tl.int32)), M, N, STREAM_K,
+                            APPROX, ACC, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+            u += run
+    else:
+        for w in tl.range(tl.program_id(0), tiles * SPLITS, tl.num_programs(0), flatten=True):
+            s = w // tiles
+            k0 = s * K_SPLIT
+            _gelu_rhs_piece(h_desc, dy_desc, c_desc, s, w % tiles, k0,
+                            tl.minimum(K - k0, K_SPLIT), M, N, STREAM_K, APPROX, ACC,
+                            PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
 
 
 # gelu_bwd's tile: 8K elements, 32 per thread at 8 warps; 64 rows make the partial-sum
@@ -333,11 +361,12 @@ def matmul_gelu_rhs(dy: torch.Tensor, h: torch.Tensor, approximate: str,
                     out_dtype: torch.dtype | None = None, splits: int | None = None,
                     config: TmaConfig | None = None) -> torch.Tensor:
     """dy: (K, M), h: (K, N) -> dy.T @ gelu(h): (M, N) in out_dtype (default dy's), reduced
-    over `splits` slices of K (default: k_splits) in fp32.
+    in fp32 over `splits` slices of K (default: k_splits; 1 when whole tiles fill the GPU).
 
-    Through TMA the slices add into one fp32 sum in place (bulk reductions in L2), whose
-    order, and so whose last bits, vary run to run; under torch's deterministic mode, and
-    in the pointer version, each slice writes its own partial sum and the host adds them."""
+    Split through TMA, the work is shared out stream-K (see the kernel) and the pieces add
+    into one fp32 sum in place (bulk reductions in L2), whose order, and so whose last bits,
+    vary run to run; under torch's deterministic mode, and in the pointer version, each
+    slice writes its own partial sum and the host adds them."""
     K, M = dy.shape
     N = h.shape[1]
     # With h TMA-aligned and dy of its dtype, an (S, M, N) output of dy's or a wider dtype
@@ -349,25 +378,28 @@ def matmul_gelu_rhs(dy: torch.Tensor, h: torch.Tensor, approximate: str,
     splits = splits or k_splits(tiles, K, dy.device, cfg.per_sm if use_tma else 1)
     k_split = triton.cdiv(triton.cdiv(K, splits), 128) * 128  # a multiple of any BLOCK_K
     splits = triton.cdiv(K, k_split)
-    reduce = use_tma and splits > 1 and not torch.are_deterministic_algorithms_enabled()
+    stream_k = use_tma and splits > 1 and not torch.are_deterministic_algorithms_enabled()
     out_dtype = out_dtype or dy.dtype
     part_dtype = out_dtype if splits == 1 else stat_dtype(dy)
-    if reduce:
+    if stream_k:
         out = torch.zeros((1, M, N), device=dy.device, dtype=part_dtype)
     else:
         out = torch.empty((splits, M, N), device=dy.device, dtype=part_dtype)
     flags = gemm_flags(dy, approximate)
     if use_tma:
+        # Under the interpreter (one program by default) one program a slice, so that the
+        # stream-K runs end inside tiles there too.
+        programs = splits if INTERPRET and stream_k else None
         launch(_matmul_gelu_rhs_tma_kernel, tiles * splits, dy.device, h, dy, out,
                M, N, K, k_split, splits, h.stride(0), dy.stride(0), out.stride(0), out.stride(1),
-               config=cfg, REDUCE=reduce, **flags)
+               config=cfg, programs=programs, STREAM_K=stream_k, **flags)
     else:
         _matmul_gelu_rhs_kernel[lambda meta: (_gemm_grid(M, N)(meta)[0], splits)](
             dy, h, out, M, N, K, k_split,
             dy.stride(1), dy.stride(0), h.stride(0), h.stride(1), *out.stride(), **flags)
     if splits == 1:
         return out[0]
-    return (out[0] if reduce else out.sum(0)).to(out_dtype)
+    return (out[0] if stream_k else out.sum(0)).to(out_dtype)
 
 
 def gelu_bwd(dy: torch.Tensor, h: torch.Tensor, approximate: str,
