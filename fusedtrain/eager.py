@@ -132,6 +132,13 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int
                            ignore_index=ignore_index)
 
 
+def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                         ignore_index: int = -100) -> torch.Tensor:
+    """Mean cross-entropy of the logits x @ weight.T against targets (ops.linear_cross_entropy's
+    twin: the head projection, then the loss on its materialised logits)."""
+    return cross_entropy(F.linear(x, weight), targets, ignore_index)
+
+
 def qkv_projection_packed(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n_heads: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

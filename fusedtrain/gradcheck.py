@@ -66,6 +66,8 @@ def op_cases(device: str) -> dict[str, list[tuple[str, Callable[[], tuple]]]]:
     targets = torch.tensor([[3, 0, 10], [-100, 7, 1]], device=device)
     cases["cross_entropy"].append(("cross_entropy", lambda: (
         lambda logits: ops.cross_entropy(logits, targets), (r(2, 3, 11),))))
+    cases["cross_entropy"].append(("linear_cross_entropy", lambda: (
+        lambda x, w: ops.linear_cross_entropy(x, w, targets), (r(2, 3, 5), r(11, 5)))))
     return cases
 
 
@@ -136,15 +138,15 @@ def accuracy_report(draws: int, device: str, dtype: torch.dtype, large: bool) ->
 
     if large:
         shapes = dict(mlp=(16384, 768, 3072), qkv=(16, 1024, 768, 12),
-                      attn=(16, 12, 1024, 64), ln=(16384, 768), ce=(4096, 50304))
+                      attn=(16, 12, 1024, 64), ln=(16384, 768), ce=(4096, 50304, 768))
     else:
         shapes = dict(mlp=(113, 72, 130), qkv=(2, 37, 48, 4), attn=(1, 2, 113, 32), ln=(113, 96),
-                      ce=(113, 1037))
+                      ce=(113, 1037, 40))
     M, K, N = shapes["mlp"]
     B, T, C, H = shapes["qkv"]
     b_, h_, t_, d_ = shapes["attn"]
     Ml, Cl = shapes["ln"]
-    Mc, V = shapes["ce"]
+    Mc, V, Cc = shapes["ce"]
     r = lambda *s, scale=1.0: _rand(*s, device=device, dtype=torch.float32, grad=False,  # noqa
                                     scale=scale)
     makers = {
@@ -163,6 +165,8 @@ def accuracy_report(draws: int, device: str, dtype: torch.dtype, large: bool) ->
                                                         r(Cl, scale=0.1))),
         "cross_entropy": ("cross_entropy", lambda: (
             r(Mc, V, scale=3.0), torch.randint(0, V, (Mc,), device=device))),
+        "linear_cross_entropy": ("linear_cross_entropy", lambda: (
+            r(Mc, Cc), r(V, Cc, scale=3 * Cc ** -0.5), torch.randint(0, V, (Mc,), device=device))),
     }
     report = {}
     for op_name, (fn_name, make) in makers.items():

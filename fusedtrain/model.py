@@ -158,14 +158,21 @@ class GPT(nn.Module):
             x, head_weight = eager.gpt_embedding(idx, tr.wte.weight, tr.wpe.weight)
         return tr.drop(x), head_weight
 
-    def logits(self, stream: torch.Tensor, delta: torch.Tensor | None = None,
-               delta_bias: torch.Tensor | None = None,
-               head_weight: torch.Tensor | None = None) -> torch.Tensor:
-        """The last block's output (stream, delta[, delta_bias]) -> logits (B, T, vocab).
-        head_weight: the token table as _embed returned it (default: the table)."""
+    def _head_input(self, stream: torch.Tensor, delta: torch.Tensor | None = None,
+                    delta_bias: torch.Tensor | None = None,
+                    head_weight: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last block's output (stream, delta[, delta_bias]) -> (ln_f of it: (B, T, C),
+        the head's weight: (vocab, C)). head_weight: the token table as _embed returned it
+        (default: the table)."""
         x, _ = self.transformer.ln_f(stream, delta, delta_bias)
         # The head is tied to the token embedding.
-        wte = self.transformer.wte.weight if head_weight is None else head_weight
+        return x, self.transformer.wte.weight if head_weight is None else head_weight
+
+    def logits(self, *last: torch.Tensor, head_weight: torch.Tensor | None = None
+               ) -> torch.Tensor:
+        """The last block's output `last` -> logits (B, T, vocab)."""
+        x, wte = self._head_input(*last, head_weight=head_weight)
         if self.config.kernels["embedding"]:
             from fusedtrain import ops
 
@@ -176,13 +183,14 @@ class GPT(nn.Module):
     def head_loss(self, targets: torch.Tensor, *last: torch.Tensor,
                   head_weight: torch.Tensor | None = None) -> torch.Tensor:
         """Mean next-token cross-entropy from the last block's output `last`."""
-        logits = self.logits(*last, head_weight=head_weight)
         if self.config.kernels["cross_entropy"]:
             from fusedtrain import ops
 
-            # The logits are this function's own: backward may overwrite them.
-            return ops.cross_entropy(logits, targets, inplace_backward=True)
-        return eager.cross_entropy(logits, targets)
+            # The head and its loss in one op: the logits' gradient is computed with the
+            # loss, in the logits' memory.
+            return ops.linear_cross_entropy(*self._head_input(*last, head_weight=head_weight),
+                                            targets)
+        return eager.cross_entropy(self.logits(*last, head_weight=head_weight), targets)
 
     def _trunk(self, idx: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         """(the tied head's weight, the last block's output (stream, delta[, delta_bias]),

@@ -100,3 +100,106 @@ def test_gpu_bf16_accuracy_at_gpt2_vocabulary():
     t = torch.randint(0, 50304, (4096,), device="cuda")
     check_against_oracle(lambda x: ops.cross_entropy(x, t), lambda x: eager.cross_entropy(x, t),
                          [logits], 1e-5, 1e-7, "cross_entropy")
+
+
+# The LM head and its loss in one op: ops.linear_cross_entropy.
+
+def _head(M, C, V, dtype=F64):
+    x = torch.randn(M, C, dtype=dtype) / C ** 0.5
+    w = torch.randn(V, C, dtype=dtype)
+    return x, w
+
+
+@pytest.mark.parametrize("lead", [(13,), (2, 5)])
+def test_linear_cross_entropy_gradcheck(lead):
+    x, w = _head(13, 7, 29)
+    x = x[: torch.Size(lead).numel()].reshape(*lead, 7)
+    t = _targets(lead, 29, ignored=2)
+    assert gradcheck(lambda a, b: ops.linear_cross_entropy(a, b, t),
+                     (x.requires_grad_(), w.requires_grad_()))
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-6), (torch.float16, 1e-4)])
+@pytest.mark.parametrize("M,C,V", [(113, 40, 1037), (7, 24, 5000)])
+def test_linear_cross_entropy_accuracy_against_fp64(dtype, atol, M, C, V):
+    x, w = _head(M, C, V, dtype)
+    t = _targets((M,), V, ignored=3)
+    check_against_oracle(lambda a, b: ops.linear_cross_entropy(a, b, t),
+                         lambda a, b: eager.linear_cross_entropy(a, b, t),
+                         [x.requires_grad_(), (w * 3).requires_grad_()], atol, atol,
+                         "linear_cross_entropy")
+
+
+def test_fwd_grad_kernel_rows_per_program_and_in_place():
+    """More rows than programs (the kernel is persistent), -inf logits, a row whose first
+    chunk is all -inf, ignored rows; in place the gradient lands in the logits' memory and
+    the losses are those of the logits before."""
+    from fusedtrain.kernels import cross_entropy as K
+
+    logits = torch.randn(11, 2500, dtype=F64) * 4
+    logits[0, :1500] = float("-inf")
+    logits[3, ::3] = float("-inf")
+    t = torch.tensor([2000, 1, -100, 7, 0, 5, -100, 2499, 3, 4, 6])
+    ref_leaf = logits.clone().requires_grad_()
+    ref_losses = torch.nn.functional.cross_entropy(ref_leaf, t, reduction="none")
+    (ref_g,) = torch.autograd.grad(ref_losses.sum() / 9, ref_leaf)
+    losses, count, g = K.cross_entropy_fwd_grad(logits.clone(), t, -100)
+    torch.testing.assert_close(losses, ref_losses.detach())
+    assert count.item() == 9
+    torch.testing.assert_close(g, ref_g)
+    buf = logits.clone()
+    losses_in_place, _, g_in_place = K.cross_entropy_fwd_grad(buf, t, -100, inplace=True)
+    assert g_in_place.data_ptr() == buf.data_ptr()
+    torch.testing.assert_close(losses_in_place, losses, rtol=0, atol=0)
+    torch.testing.assert_close(g_in_place, g, rtol=0, atol=0)
+
+
+def test_linear_cross_entropy_all_ignored_and_no_grad():
+    x, w = _head(6, 8, 40)
+    t = torch.full((6,), -100)
+    xg = x.clone().requires_grad_()
+    loss = ops.linear_cross_entropy(xg, w, t)
+    assert torch.isnan(loss) and torch.isnan(eager.linear_cross_entropy(x, w, t))
+    loss.backward()
+    assert torch.equal(xg.grad, torch.zeros_like(x))  # NaN loss, but no row contributes
+    t = _targets((6,), 40)
+    with torch.no_grad():
+        torch.testing.assert_close(ops.linear_cross_entropy(xg, w, t),
+                                   eager.linear_cross_entropy(x, w, t))
+
+
+def test_linear_cross_entropy_compile_fullgraph_matches_eager():
+    x, w = _head(12, 16, 50, torch.float32)
+    t = _targets((12,), 50)
+    compiled = torch.compile(lambda a, b: ops.linear_cross_entropy(a * 2, b, t), fullgraph=True,
+                             backend="aot_eager")
+    (o,), (gx, gw), _ = grads_of(compiled, (x.requires_grad_(), w.requires_grad_()))
+    (ref,), (rx, rw), _ = grads_of(lambda a, b: eager.linear_cross_entropy(a * 2, b, t), (x, w))
+    torch.testing.assert_close(o, ref)
+    torch.testing.assert_close(gx, rx)
+    torch.testing.assert_close(gw, rw)
+
+
+def test_linear_cross_entropy_bad_inputs():
+    x, w = _head(4, 8, 10, torch.float32)
+    t = torch.zeros(4, dtype=torch.long)
+    with pytest.raises(TypeError, match="targets"):
+        ops.linear_cross_entropy(x, w, t.float())
+    with pytest.raises(ValueError, match="targets"):
+        ops.linear_cross_entropy(x, w, torch.zeros(5, dtype=torch.long))
+    with pytest.raises(ValueError, match="weight"):
+        ops.linear_cross_entropy(x, w[:, :7], t)
+    with pytest.raises(TypeError, match="weight"):
+        ops.linear_cross_entropy(x, w.double(), t)
+    with pytest.raises(ValueError, match="vocabulary"):
+        ops.linear_cross_entropy(x, w[:0], t)
+
+
+@pytest.mark.gpu
+def test_gpu_linear_cross_entropy_bf16_at_gpt2_vocabulary():
+    x = (torch.randn(4096, 768, device="cuda")).bfloat16().requires_grad_()
+    w = (torch.randn(50304, 768, device="cuda") * 0.1).bfloat16().requires_grad_()
+    t = torch.randint(0, 50304, (4096,), device="cuda")
+    check_against_oracle(lambda a, b: ops.linear_cross_entropy(a, b, t),
+                         lambda a, b: eager.linear_cross_entropy(a, b, t), [x, w], 1e-5, 1e-7,
+                         "linear_cross_entropy")

@@ -50,6 +50,7 @@ def first_calls():
         y, s = ops.add_layer_norm(x, leaf(B, T, C), leaf(C), leaf(C))
         losses += [y.sum(), s.sum(), ops.layer_norm_gelu(x, leaf(C), leaf(C)).sum()]
         losses.append(ops.cross_entropy(leaf(B * T, 11), torch.randint(0, 11, (B * T,))))
+        losses.append(ops.linear_cross_entropy(x, leaf(11, C), torch.randint(0, 11, (B, T))))
         losses.append(ops.embedding(torch.tensor([[1, 4, 1]]), leaf(6, C)).sum())
         xe, head_weight = ops.gpt_embedding(torch.tensor([[1, 4, 1]]), leaf(6, C), leaf(4, C),
                                             inplace_backward=True)
@@ -121,7 +122,8 @@ def _every_op_forward_and_backward(device: str) -> list[torch.Tensor]:
     outs.append(ops.qkv_attention(x, leaf(3 * C, C), leaf(3 * C), H))
     targets = torch.randint(0, 11, (B * T,), generator=gen).to(device)
     outs += [ops.cross_entropy(leaf(B * T, 11), targets),
-             ops.cross_entropy(leaf(B * T, 11), targets, inplace_backward=True)]
+             ops.cross_entropy(leaf(B * T, 11), targets, inplace_backward=True),
+             ops.linear_cross_entropy(x, leaf(11, C), targets.view(B, T))]
     leaves = [x, w, b, q, k, v]
     sum(o.float().sum() for o in outs).backward()
     return outs + [t.grad for t in leaves]

@@ -3,7 +3,7 @@ with a twin of the same name and semantics in `fusedtrain.eager`."""
 
 from fusedtrain.ops._registry import register_inductor_fallbacks
 from fusedtrain.ops.attention import flash_attention
-from fusedtrain.ops.cross_entropy import cross_entropy
+from fusedtrain.ops.cross_entropy import cross_entropy, linear_cross_entropy
 from fusedtrain.ops.embedding import embedding, gpt_embedding
 from fusedtrain.ops.layernorm import add_layer_norm, layer_norm, layer_norm_gelu
 from fusedtrain.ops.linear import linear
@@ -13,6 +13,6 @@ from fusedtrain.ops.qkv_attention import qkv_attention
 
 __all__ = [
     "add_layer_norm", "cross_entropy", "embedding", "flash_attention", "fused_mlp",
-    "gpt_embedding", "layer_norm", "layer_norm_gelu", "linear", "linear_gelu", "qkv_attention",
-    "qkv_projection", "register_inductor_fallbacks",
+    "gpt_embedding", "layer_norm", "layer_norm_gelu", "linear", "linear_cross_entropy",
+    "linear_gelu", "qkv_attention", "qkv_projection", "register_inductor_fallbacks",
 ]

@@ -1,14 +1,22 @@
-"""Differentiable cross-entropy on (tokens, vocab) logits, read in their own dtype."""
+"""Differentiable cross-entropy on (tokens, vocab) logits, read in their own dtype, and the
+LM head and its loss as one op (linear_cross_entropy)."""
 
 from __future__ import annotations
 
 import torch
 from torch.utils.flop_counter import register_flop_formula
 
+from fusedtrain.casts import cast_params
 from fusedtrain.kernels import cross_entropy as K
 from fusedtrain.kernels._common import stat_dtype
 from fusedtrain.ops._registry import launcher, runs_directly
-from fusedtrain.ops._validate import check_index_tensor, check_tensor
+from fusedtrain.ops._validate import (
+    autocast_params,
+    check_index_tensor,
+    check_linear,
+    check_tensor,
+)
+from fusedtrain.ops.linear import weight_grad
 
 Tensor = torch.Tensor
 
@@ -35,6 +43,19 @@ def _cross_entropy_bwd(logits: Tensor, targets: Tensor, lse: Tensor, g: Tensor,
 @_cross_entropy_bwd.register_fake
 def _(logits, targets, lse, g, ignore_index):
     return logits.new_empty(logits.shape)
+
+
+@launcher("cross_entropy_fwd_grad")
+def _cross_entropy_fwd_grad(logits: Tensor, targets: Tensor,
+                            ignore_index: int) -> tuple[Tensor, Tensor, Tensor]:
+    return K.cross_entropy_fwd_grad(logits, targets, ignore_index)
+
+
+@_cross_entropy_fwd_grad.register_fake
+def _(logits, targets, ignore_index):
+    M = logits.shape[0]
+    return (logits.new_empty(M, dtype=stat_dtype(logits)),
+            targets.new_empty((), dtype=torch.int64), logits.new_empty(logits.shape))
 
 
 @register_flop_formula(torch.ops.fusedtrain.cross_entropy_fwd)
@@ -68,6 +89,16 @@ class CrossEntropyFunction(torch.autograd.Function):
         return dlogits, None, None, None
 
 
+def _check_targets(targets: Tensor, rows: Tensor, name: str) -> None:
+    """targets: integer class ids of rows' shape without its last dimension, on its device."""
+    check_index_tensor("targets", targets, "class indices")
+    if tuple(targets.shape) != tuple(rows.shape[:-1]):
+        raise ValueError(f"targets has shape {tuple(targets.shape)}, expected "
+                         f"{tuple(rows.shape[:-1])} (the {name}' shape without the last)")
+    if targets.device != rows.device:
+        raise ValueError(f"targets is on {targets.device} but {name} is on {rows.device}")
+
+
 def cross_entropy(logits: Tensor, targets: Tensor, ignore_index: int = -100,
                   inplace_backward: bool = False) -> Tensor:
     """Mean cross-entropy of logits (..., V) against integer targets (...): the same
@@ -80,12 +111,7 @@ def cross_entropy(logits: Tensor, targets: Tensor, ignore_index: int = -100,
     gone after backward, so use it only for logits nothing else reads (as GPT.loss does).
     """
     check_tensor("logits", logits, min_ndim=1)
-    check_index_tensor("targets", targets, "class indices")
-    if tuple(targets.shape) != tuple(logits.shape[:-1]):
-        raise ValueError(f"targets has shape {tuple(targets.shape)}, expected "
-                         f"{tuple(logits.shape[:-1])} (the logits' shape without the last)")
-    if targets.device != logits.device:
-        raise ValueError(f"targets is on {targets.device} but logits is on {logits.device}")
+    _check_targets(targets, logits, "logits")
     if logits.shape[-1] == 0:
         raise ValueError("logits has an empty last (vocabulary) dimension")
     rows = logits.reshape(-1, logits.shape[-1])
@@ -93,3 +119,57 @@ def cross_entropy(logits: Tensor, targets: Tensor, ignore_index: int = -100,
         rows = rows.contiguous()
     return CrossEntropyFunction.apply(rows, targets.reshape(-1).long(), int(ignore_index),
                                       bool(inplace_backward))
+
+
+class LinearCrossEntropyFunction(torch.autograd.Function):
+    """Mean cross-entropy of x @ W.T. Forward writes the gradient of the mean loss with
+    respect to the logits over the logits themselves (one kernel: the logits are read from
+    HBM once, not once in forward and again in backward); backward applies the upstream
+    gradient g to the two small GEMM products instead of the (tokens x vocab) gradient:
+    dx = g (G @ W), dW = G.T @ (g x). compute_dtype: as LinearFunction's."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, targets: Tensor, ignore_index: int,
+                compute_dtype: torch.dtype | None):
+        ctx.w_dtype = weight.dtype
+        (weight,) = cast_params(compute_dtype, weight)
+        x2 = x.reshape(-1, x.shape[-1])
+        logits = x2 @ weight.t()
+        if not any(ctx.needs_input_grad[:2]):
+            losses, _ = _cross_entropy_fwd(logits, targets, ignore_index)
+            return losses.sum() / (targets != ignore_index).sum()
+        if runs_directly(logits):  # the logits are this op's own: overwritten in place
+            losses, count, dlogits = K.cross_entropy_fwd_grad(logits, targets, ignore_index,
+                                                              inplace=True)
+        else:
+            losses, count, dlogits = _cross_entropy_fwd_grad(logits, targets, ignore_index)
+        ctx.save_for_backward(x2, weight, dlogits)
+        ctx.x_shape = x.shape
+        return losses.sum() / count
+
+    @staticmethod
+    def backward(ctx, dloss: Tensor):
+        x2, weight, dlogits = ctx.saved_tensors
+        want_x, want_w = ctx.needs_input_grad[:2]
+        dx = (dlogits @ weight).mul_(dloss).view(ctx.x_shape) if want_x else None
+        dw = weight_grad(dlogits, x2 * dloss, ctx.w_dtype) if want_w else None
+        return dx, dw, None, None, None
+
+
+def linear_cross_entropy(x: Tensor, weight: Tensor, targets: Tensor,
+                         ignore_index: int = -100) -> Tensor:
+    """Mean cross-entropy of the logits x @ weight.T against targets: x: (..., C), weight:
+    (V, C), targets: (...) integer ids -> () fp32 (fp64 for fp64 x), the value of
+    cross_entropy(F.linear(x, weight), targets). A language model's head and loss in one:
+    its (tokens x V) logits never leave the op, and their gradient is computed with the loss,
+    in the logits' memory. Under autocast the weight is cast here and its gradient returned
+    in its own dtype (as ops.linear)."""
+    check_tensor("x", x, min_ndim=1)
+    _check_targets(targets, x, "x")
+    x, compute_dtype = autocast_params(x, weight)
+    check_linear(x, weight, None, "weight", "bias", x.shape[-1],
+                 same_dtype=compute_dtype is None)
+    if weight.shape[0] == 0:
+        raise ValueError("weight has no rows: an empty vocabulary")
+    return LinearCrossEntropyFunction.apply(x, weight, targets.reshape(-1).long(),
+                                            int(ignore_index), compute_dtype)
