@@ -130,10 +130,10 @@ def test_linear_cross_entropy_accuracy_against_fp64(dtype, atol, M, C, V):
                          "linear_cross_entropy")
 
 
-def test_fwd_grad_kernel_rows_per_program_and_in_place():
-    """More rows than programs (the kernel is persistent), -inf logits, a row whose first
-    chunk is all -inf, ignored rows; in place the gradient lands in the logits' memory and
-    the losses are those of the logits before."""
+def test_fwd_grad_losses_and_gradient_in_place():
+    """cross_entropy_fwd_grad: -inf logits, a row whose first chunk is all -inf, ignored
+    rows; in place the gradient lands in the logits' memory and the losses are those of
+    the logits before."""
     from fusedtrain.kernels import cross_entropy as K
 
     logits = torch.randn(11, 2500, dtype=F64) * 4
@@ -193,6 +193,37 @@ def test_linear_cross_entropy_bad_inputs():
         ops.linear_cross_entropy(x, w.double(), t)
     with pytest.raises(ValueError, match="vocabulary"):
         ops.linear_cross_entropy(x, w[:0], t)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("M,V", [(333, 50304), (7, 8384), (264, 64)])
+def test_gpu_shared_memory_kernel_matches_the_triton_kernels(M, V, dtype):
+    """The one-pass Gluon kernel (sm_90) against the forward and backward Triton kernels:
+    box tails (8384 = 65.5 boxes of 128 x 64), more rows than CTAs, -inf logits, ignored
+    rows, a target outside [0, V); in place and not."""
+    from fusedtrain.kernels import cross_entropy as K
+    from fusedtrain.kernels import cross_entropy_smem
+    from fusedtrain.kernels._tma import ws_ok
+
+    logits = (torch.randn(M, V, device="cuda") * 4).to(dtype)
+    if not ws_ok(logits):
+        pytest.skip("the Gluon kernels need an sm_90 GPU and their triton release")
+    assert cross_entropy_smem.fits(logits)
+    logits[0, : V // 2] = float("-inf")
+    logits[-1, ::3] = float("-inf")
+    t = torch.randint(0, V, (M,), device="cuda")
+    t[1] = -100
+    t[2] = V + 5
+    count = (t != -100).sum()
+    ref_loss, lse = K.cross_entropy_fwd(logits, t, -100)
+    ref = K.cross_entropy_bwd(logits, t, lse, (1.0 / count.float()).reshape(1), -100)
+    for inplace in (False, True):
+        buf = logits.clone()
+        loss, n, g = K.cross_entropy_fwd_grad(buf, t, -100, inplace=inplace)
+        assert n.item() == count.item() and (g.data_ptr() == buf.data_ptr()) == inplace
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5, equal_nan=True)
+        torch.testing.assert_close(g, ref, rtol=1e-2, atol=1e-4 / count.item())
 
 
 @pytest.mark.gpu

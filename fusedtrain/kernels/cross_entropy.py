@@ -6,10 +6,11 @@
   cross_entropy_bwd   per row: dlogits = (softmax(logits) - onehot(target)) * g, written
                       once in the logits' dtype; softmax recomputed from the saved lse.
   cross_entropy_fwd_grad
-                      both in one pass over the rows, for a loss whose upstream gradient is
-                      applied later (ops.linear_cross_entropy): each row's loss, then its
-                      gradient of the mean loss, (softmax - onehot) / count, re-reading
-                      the row while it is still in L2, so HBM sees the logits read once.
+                      both at once, for a loss whose upstream gradient is applied later
+                      (ops.linear_cross_entropy): each row's loss and its gradient of the
+                      mean loss, (softmax - onehot) / count; on Hopper in one pass with the
+                      row in shared memory (cross_entropy_smem, Gluon), so the logits are
+                      read from HBM once.
 
 Rows whose target is ignore_index get loss 0 and gradient 0. The unfused path upcasts
 the (tokens x vocab) logits to fp32, writes log_softmax, and reads both back in
@@ -24,15 +25,8 @@ import triton
 import triton.language as tl
 
 from fusedtrain.kernels import INTERPRET
-from fusedtrain.kernels._common import (
-    acc_dtype,
-    cdiv,
-    device_fn,
-    row_max,
-    row_sum,
-    sm_count,
-    stat_dtype,
-)
+from fusedtrain.kernels._common import acc_dtype, device_fn, row_max, row_sum, stat_dtype
+from fusedtrain.kernels._tma import ws_ok
 
 BLOCK_V = 1024 if INTERPRET else 4096
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -61,23 +55,22 @@ def _row_logsumexp(base, V, cols, ACC: tl.constexpr, BLOCK_V: tl.constexpr):
 
 
 @device_fn
-def _store_row_loss(base, target, lse, loss_ptr, row, V, ignore_index):
+def _store_row_loss(base, target, lse, loss_ptr, lse_ptr, row, V, ignore_index):
     """The row's loss lse - x[target] (0 if ignored, NaN for a target outside [0, V))."""
     in_range = (target >= 0) & (target < V)
     x_t = tl.load(base + tl.where(in_range, target, 0)).to(lse.dtype)
     loss = tl.where(in_range, lse - x_t, float("nan"))
     tl.store(loss_ptr + row, tl.where(target == ignore_index, 0.0, loss))
+    tl.store(lse_ptr + row, lse)
 
 
 @device_fn
 def _store_row_grad(src, dst, V, cols, target, lse, g, ACC: tl.constexpr,
-                    BLOCK_V: tl.constexpr, BACKWARDS: tl.constexpr = False):
-    """dst[j] = (softmax(src)[j] - [j == target]) * g over the row, chunk by chunk (with
-    BACKWARDS from the row's end); src and dst may be the same row (each chunk is read
-    before it is written)."""
-    chunks = cdiv(V, BLOCK_V)
-    for i in range(chunks):
-        idx = (chunks - 1 - i if BACKWARDS else i) * BLOCK_V + cols
+                    BLOCK_V: tl.constexpr):
+    """dst[j] = (softmax(src)[j] - [j == target]) * g over the row, chunk by chunk; src
+    and dst may be the same row (each chunk is read before it is written)."""
+    for start in range(0, V, BLOCK_V):
+        idx = start + cols
         ok = idx < V
         x = tl.load(src + idx, mask=ok, other=0.0).to(ACC)
         d = (tl.exp2((x - lse) * LOG2E) - tl.where(idx == target, 1.0, 0.0)) * g
@@ -90,8 +83,8 @@ def _ce_fwd_kernel(logits_ptr, target_ptr, loss_ptr, lse_ptr, V, s_row, ignore_i
     row = tl.program_id(0).to(tl.int64)
     base = logits_ptr + row * s_row
     lse = _row_logsumexp(base, V, tl.arange(0, BLOCK_V), ACC, BLOCK_V)
-    _store_row_loss(base, tl.load(target_ptr + row), lse, loss_ptr, row, V, ignore_index)
-    tl.store(lse_ptr + row, lse)
+    _store_row_loss(base, tl.load(target_ptr + row), lse, loss_ptr, lse_ptr, row, V,
+                    ignore_index)
 
 
 @triton.jit
@@ -103,27 +96,6 @@ def _ce_bwd_kernel(logits_ptr, target_ptr, lse_ptr, g_ptr, dlogits_ptr, V, s_row
     g = tl.where(target != ignore_index, tl.load(g_ptr).to(ACC), 0.0)
     _store_row_grad(logits_ptr + row * s_row, dlogits_ptr + row * s_drow, V,
                     tl.arange(0, BLOCK_V), target, tl.load(lse_ptr + row), g, ACC, BLOCK_V)
-
-
-@triton.jit
-def _ce_fwd_grad_kernel(logits_ptr, target_ptr, count_ptr, loss_ptr, dlogits_ptr, M, V, s_row,
-                        s_drow, ignore_index, ACC: tl.constexpr, BLOCK_V: tl.constexpr):
-    # Persistent: rows pid, pid + P, ... A row's gradient pass follows its logsumexp pass
-    # at once and walks the row backwards, so it reads first the chunks read last: with
-    # P rows in flight (a few per SM, ~100 KB each at GPT-2's vocabulary) they are still
-    # in L2, and HBM sees each logit read once and its gradient written once.
-    inv_count = 1.0 / tl.load(count_ptr).to(ACC)  # inf if every row is ignored: g = 0 then
-    cols = tl.arange(0, BLOCK_V)
-    row = tl.program_id(0).to(tl.int64)
-    for _ in range(tl.program_id(0), M, tl.num_programs(0)):
-        base = logits_ptr + row * s_row
-        target = tl.load(target_ptr + row)
-        lse = _row_logsumexp(base, V, cols, ACC, BLOCK_V)
-        _store_row_loss(base, target, lse, loss_ptr, row, V, ignore_index)
-        g = tl.where(target != ignore_index, inv_count, 0.0)
-        _store_row_grad(base, dlogits_ptr + row * s_drow, V, cols, target, lse, g, ACC,
-                        BLOCK_V, BACKWARDS=True)
-        row += tl.num_programs(0)
 
 
 def cross_entropy_fwd(logits: torch.Tensor, targets: torch.Tensor,
@@ -153,31 +125,27 @@ def cross_entropy_bwd(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Te
     return dlogits
 
 
-# The one-pass kernel's chunk, warps and programs per SM (few rows in flight keep the
-# re-read in L2), measured on an H200 at GPT-2's 16384 x 50304 logits (docs/perf-notes.md,
-# nineteenth round).
-_GRAD_BLOCK_V, _GRAD_WARPS, _GRAD_PER_SM = 4096, 8, 2
-
-
 def cross_entropy_fwd_grad(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int,
-                           inplace: bool = False, block_v: int | None = None,
-                           warps: int | None = None,
-                           per_sm: int | None = None) -> tuple[torch.Tensor, torch.Tensor,
-                                                               torch.Tensor]:
+                           inplace: bool = False) -> tuple[torch.Tensor, torch.Tensor,
+                                                           torch.Tensor]:
     """logits: (M, V) with unit column stride, targets: (M,) int64 -> (loss per row: (M,)
     fp32 (fp64), count: () int64, the rows not ignored, dlogits: (M, V) in the logits' dtype),
     dlogits = d(loss.sum() / count) / d logits = (softmax(logits) - onehot(target)) / count,
     0 on ignored rows. inplace: dlogits written over the logits (each row's loss is taken
-    before its gradient is written). block_v, warps, per_sm: override the measured tiling."""
-    M, V = logits.shape
-    loss = torch.empty(M, device=logits.device, dtype=stat_dtype(logits))
+    before its gradient is written).
+
+    On an sm_90 GPU, where cross_entropy_smem.fits, one pass with each row in shared memory
+    (the logits read once); elsewhere the forward kernel, then the backward one."""
     count = (targets != ignore_index).sum()
-    dlogits = logits if inplace else torch.empty((M, V), device=logits.device,
-                                                 dtype=logits.dtype)
-    programs = min(M, 4 if INTERPRET else (per_sm or _GRAD_PER_SM) * sm_count(logits.device))
-    _ce_fwd_grad_kernel[(max(programs, 1),)](
-        logits, targets, count, loss, dlogits, M, V, logits.stride(0), dlogits.stride(0),
-        ignore_index, ACC=acc_dtype(logits),
-        BLOCK_V=BLOCK_V if INTERPRET else block_v or _GRAD_BLOCK_V,
-        num_warps=warps or _GRAD_WARPS)
-    return loss, count, dlogits
+    if ws_ok(logits):
+        from fusedtrain.kernels import cross_entropy_smem  # Gluon: imported where it compiles
+
+        if cross_entropy_smem.fits(logits):
+            loss = torch.empty(logits.shape[0], device=logits.device, dtype=torch.float32)
+            dlogits = logits if inplace else torch.empty_like(logits)
+            cross_entropy_smem.cross_entropy_fwd_grad(logits, targets, count, loss, dlogits,
+                                                      ignore_index)
+            return loss, count, dlogits
+    loss, lse = cross_entropy_fwd(logits, targets, ignore_index)
+    g = (1.0 / count.to(lse.dtype)).reshape(1)
+    return loss, count, cross_entropy_bwd(logits, targets, lse, g, ignore_index, inplace)
