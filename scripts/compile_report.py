@@ -14,11 +14,12 @@ triton==3.6.0`): the figures guide, the GPU decides.
 
   python scripts/compile_report.py [--head-dim 128] [--causal] [--bias-sums]
       [--kernels fwd dkdv dq linear_gelu_fwd dgelu gelu_rhs qkv_fwd qkv_dx emb_fwd emb_bwd
-                 linear_gelu_fwd_ws dgelu_ws]
+                 linear_gelu_fwd_ws dgelu_ws ce_smem]
 
-The last two are the warp-specialised Gluon kernels (kernels._ws), written against the
-Gluon API of one triton release (_tma.GLUON_TRITON): with another, they are reported as
-skipped.
+The last three are Gluon kernels (the warp-specialised GEMMs of kernels._ws and the
+one-pass cross-entropy of kernels.cross_entropy_smem at GPT-2's vocabulary), written
+against the Gluon API of one triton release (_tma.GLUON_TRITON): with another, they are
+reported as skipped.
 """
 
 from __future__ import annotations
@@ -92,10 +93,12 @@ KERNELS = {"fwd": (A._attn_fwd_kernel, A.FWD_CONFIGS, {}),
            "emb_bwd": (E._embedding_bwd_kernel, _EMB_CONFIG, _EMB_POINTERS)}
 
 
-# Gluon kernels (name -> the kernel's name in kernels.linear_gelu_ws), as the gpt2 step runs
-# them: bias, h stored, tanh GELU, column sums.
-WS_KERNELS = {"linear_gelu_fwd_ws": "_linear_gelu_fwd_ws_kernel",
-              "dgelu_ws": "_matmul_dgelu_ws_kernel"}
+# Gluon kernels (name -> (module in fusedtrain.kernels, kernel, pointer types)), as the gpt2
+# step runs them: bias, h stored, tanh GELU, column sums; int64 targets and fp32 losses.
+WS_KERNELS = {"linear_gelu_fwd_ws": ("linear_gelu_ws", "_linear_gelu_fwd_ws_kernel", {}),
+              "dgelu_ws": ("linear_gelu_ws", "_matmul_dgelu_ws_kernel", {}),
+              "ce_smem": ("cross_entropy_smem", "_ce_smem_kernel",
+                          {"target_ptr": "*i64", "count_ptr": "*i64", "loss_ptr": "*fp32"})}
 
 
 def jit_function(kernel) -> triton.runtime.jit.JITFunction:
@@ -132,16 +135,22 @@ def compile_config(kernel, config: triton.Config, constexprs: dict,
 
 
 def compile_ws(name: str, constexprs: dict):
-    """A Gluon kernel of WS_KERNELS, compiled as launched (kernels._ws.launch)."""
+    """A Gluon kernel of WS_KERNELS, compiled as launched (kernels._ws.launch, or
+    cross_entropy_smem's one CTA of _WARPS warps with a 50304-wide vocabulary's boxes)."""
+    import importlib
+
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from fusedtrain.kernels import _ws, linear_gelu_ws
+    from fusedtrain.kernels import _ws, cross_entropy_smem
 
-    fn = getattr(linear_gelu_ws, WS_KERNELS[name])
-    consts, signature, divisible = _specialised(fn, constexprs)
+    module, kernel, pointers = WS_KERNELS[name]
+    fn = getattr(importlib.import_module(f"fusedtrain.kernels.{module}"), kernel)
+    consts, signature, divisible = _specialised(
+        fn, {**constexprs, "NB": cross_entropy_smem._boxes(50304)}, pointers)
+    options = ({"num_warps": cross_entropy_smem._WARPS} if module == "cross_entropy_smem"
+               else {"num_warps": 4, "maxnreg": _ws._MAXNREG})
     source = GluonASTSource(fn, signature=signature, constexprs=consts, attrs=divisible)
-    return triton.compile(source, target=HOPPER, options={"num_warps": 4,
-                                                          "maxnreg": _ws._MAXNREG})
+    return triton.compile(source, target=HOPPER, options=options)
 
 
 def resources(compiled) -> dict[str, int]:
@@ -184,14 +193,18 @@ def main(argv: list[str] | None = None) -> None:
             if not triton.__version__.startswith(GLUON_TRITON):
                 print(f"{name}: skipped (a Gluon kernel, written for triton {GLUON_TRITON}x)")
                 continue
-            from fusedtrain.kernels import _ws
+            from fusedtrain.kernels import _ws, cross_entropy_smem
 
             compiled = compile_ws(name, constexprs)
             r = resources(compiled)
-            print(f"{name:5s} BLOCK_M {_ws.BM.value:3d} BLOCK_N {_ws.BN.value:3d} warps "
-                  f"{compiled.metadata.num_warps:2d} stages {_ws.STAGES.value}: "
-                  f"{r['registers']:3d} registers, {r['stack_bytes']:5d} B stack, "
-                  f"{r['shared_bytes'] // 1024:3d} KiB shared", flush=True)
+            if name == "ce_smem":
+                S = cross_entropy_smem
+                tile = f"BOX {S.BOX.value:3d} x {S.W.value} boxes {S._boxes(50304)}"
+            else:
+                tile = (f"BLOCK_M {_ws.BM.value:3d} BLOCK_N {_ws.BN.value:3d} warps "
+                        f"{compiled.metadata.num_warps:2d} stages {_ws.STAGES.value}")
+            print(f"{name:5s} {tile}: {r['registers']:3d} registers, {r['stack_bytes']:5d} B "
+                  f"stack, {r['shared_bytes'] // 1024:3d} KiB shared", flush=True)
             continue
         kernel, configs, pointers = KERNELS[name]
         for config in configs:

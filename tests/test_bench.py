@@ -108,14 +108,16 @@ def test_compile_report_compiles_the_tma_gemms_for_hopper_without_a_gpu(tmp_path
 
 
 def test_compile_report_compiles_the_gluon_gemms_with_their_triton_only(tmp_path):
-    """scripts/compile_report.py on the warp-specialised Gluon GEMMs: compiled for sm_90
-    with the triton release they are written for (registers within the launch's cap of
-    168, 12 warps: 4 + 4 + 1 in whole warpgroups), reported as skipped with any other."""
+    """scripts/compile_report.py on the Gluon kernels: compiled for sm_90 with the triton
+    release they are written for (the warp-specialised GEMMs' registers within the launch's
+    cap of 168, 12 warps: 4 + 4 + 1 in whole warpgroups; the one-pass cross-entropy's seven
+    boxes of 16 KiB, a row of GPT-2's vocabulary, in shared memory, without spills),
+    reported as skipped with any other."""
     import triton
 
     from fusedtrain.kernels._tma import GLUON_TRITON
 
-    names = ["linear_gelu_fwd_ws", "dgelu_ws"]
+    names = ["linear_gelu_fwd_ws", "dgelu_ws", "ce_smem"]
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "compile_report.py"),
                         "--kernels", *names], capture_output=True, text=True, timeout=600,
                        env={**os.environ, "TRITON_CACHE_DIR": str(tmp_path)})
@@ -125,8 +127,11 @@ def test_compile_report_compiles_the_gluon_gemms_with_their_triton_only(tmp_path
         return
     rows = re.findall(r"^(\w+) +BLOCK_M +128 BLOCK_N +128 warps +12 stages 4: +(\d+) "
                       r"registers, +(\d+) B stack", r.stdout, re.M)
-    assert [row[0] for row in rows] == names
+    assert [row[0] for row in rows] == names[:2]
     assert all(int(regs) <= 168 and int(stack) == 0 for _, regs, stack in rows)
+    ce = re.search(r"^ce_smem BOX 128 x 64 boxes 7: +\d+ registers, +0 B stack, +(\d+) KiB "
+                   r"shared", r.stdout, re.M)
+    assert ce and 112 <= int(ce[1]) <= 120, r.stdout
 
 
 def test_kernel_report_renders_the_rows_a_gpu_run_wrote(tmp_path, capsys):

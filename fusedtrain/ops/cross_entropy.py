@@ -94,7 +94,7 @@ def _check_targets(targets: Tensor, rows: Tensor, name: str) -> None:
     check_index_tensor("targets", targets, "class indices")
     if tuple(targets.shape) != tuple(rows.shape[:-1]):
         raise ValueError(f"targets has shape {tuple(targets.shape)}, expected "
-                         f"{tuple(rows.shape[:-1])} (the {name}' shape without the last)")
+                         f"{tuple(rows.shape[:-1])} ({name}'s shape without its last dimension)")
     if targets.device != rows.device:
         raise ValueError(f"targets is on {targets.device} but {name} is on {rows.device}")
 
@@ -108,7 +108,7 @@ def cross_entropy(logits: Tensor, targets: Tensor, ignore_index: int = -100,
 
     inplace_backward: backward writes the gradient over the logits' memory, saving one
     logits-sized buffer (1.6 GB for GPT-2 at 16 x 1024 tokens); the logits' values are
-    gone after backward, so use it only for logits nothing else reads (as GPT.loss does).
+    gone after backward, so use it only for logits nothing else reads.
     """
     check_tensor("logits", logits, min_ndim=1)
     _check_targets(targets, logits, "logits")
@@ -122,10 +122,10 @@ def cross_entropy(logits: Tensor, targets: Tensor, ignore_index: int = -100,
 
 
 class LinearCrossEntropyFunction(torch.autograd.Function):
-    """Mean cross-entropy of x @ W.T. Forward writes the gradient of the mean loss with
-    respect to the logits over the logits themselves (one kernel: the logits are read from
-    HBM once, not once in forward and again in backward); backward applies the upstream
-    gradient g to the two small GEMM products instead of the (tokens x vocab) gradient:
+    """Mean cross-entropy of x @ W.T. Forward writes the gradient G of the mean loss with
+    respect to the logits over the logits themselves (on Hopper one kernel that reads the
+    logits from HBM once, not once in forward and again in backward); backward applies the
+    upstream gradient g to the two small GEMM products instead of the (tokens x vocab) G:
     dx = g (G @ W), dW = G.T @ (g x). compute_dtype: as LinearFunction's."""
 
     @staticmethod
