@@ -151,7 +151,8 @@ class GPT(nn.Module):
         if self.config.kernels["embedding"]:
             from fusedtrain import ops
 
-            # In place: the head (ops.linear) hands its weight's gradient over fresh.
+            # In place: the head (ops.linear or ops.linear_cross_entropy) hands its
+            # weight's gradient over fresh.
             x, head_weight = ops.gpt_embedding(idx, tr.wte.weight, tr.wpe.weight,
                                                inplace_backward=True)
         else:

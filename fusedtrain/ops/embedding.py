@@ -143,8 +143,8 @@ def gpt_embedding(idx: Tensor, token_weight: Tensor, position_weight: Tensor,
 
     inplace_backward: add them into the head's incoming gradient itself, saving a (V, C)
     buffer and a pass over it; that gradient's values are changed, so use it only when the
-    head's backward hands over a buffer of its own that nothing else reads (as GPT.loss's
-    head, ops.linear, does).
+    head's backward hands over a buffer of its own that nothing else reads (as GPT's head,
+    ops.linear or ops.linear_cross_entropy, does).
     """
     check_index_tensor("idx", idx, "token ids")
     check_tensor("token_weight", token_weight, ndim=2)
