@@ -14,9 +14,9 @@ triton==3.6.0`): the figures guide, the GPU decides.
 
   python scripts/compile_report.py [--head-dim 128] [--causal] [--bias-sums]
       [--kernels fwd dkdv dq linear_gelu_fwd dgelu gelu_rhs qkv_fwd qkv_dx emb_fwd emb_bwd
-                 linear_gelu_fwd_ws dgelu_ws ce_smem]
+                 linear_gelu_fwd_ws dgelu_ws qkv_fwd_ws ce_smem]
 
-The last three are Gluon kernels (the warp-specialised GEMMs of kernels._ws and the
+The last four are Gluon kernels (the warp-specialised GEMMs of kernels._ws and the
 one-pass cross-entropy of kernels.cross_entropy_smem at GPT-2's vocabulary), written
 against the Gluon API of one triton release (_tma.GLUON_TRITON): with another, they are
 reported as skipped.
@@ -97,6 +97,7 @@ KERNELS = {"fwd": (A._attn_fwd_kernel, A.FWD_CONFIGS, {}),
 # step runs them: bias, h stored, tanh GELU, column sums; int64 targets and fp32 losses.
 WS_KERNELS = {"linear_gelu_fwd_ws": ("linear_gelu_ws", "_linear_gelu_fwd_ws_kernel", {}),
               "dgelu_ws": ("linear_gelu_ws", "_matmul_dgelu_ws_kernel", {}),
+              "qkv_fwd_ws": ("qkv_ws", "_qkv_fwd_ws_kernel", {}),
               "ce_smem": ("cross_entropy_smem", "_ce_smem_kernel",
                           {"target_ptr": "*i64", "count_ptr": "*i64", "loss_ptr": "*fp32"})}
 

@@ -117,7 +117,7 @@ def test_compile_report_compiles_the_gluon_gemms_with_their_triton_only(tmp_path
 
     from fusedtrain.kernels._tma import GLUON_TRITON
 
-    names = ["linear_gelu_fwd_ws", "dgelu_ws", "ce_smem"]
+    names = ["linear_gelu_fwd_ws", "dgelu_ws", "qkv_fwd_ws", "ce_smem"]
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "compile_report.py"),
                         "--kernels", *names], capture_output=True, text=True, timeout=600,
                        env={**os.environ, "TRITON_CACHE_DIR": str(tmp_path)})
@@ -127,7 +127,7 @@ def test_compile_report_compiles_the_gluon_gemms_with_their_triton_only(tmp_path
         return
     rows = re.findall(r"^(\w+) +BLOCK_M +128 BLOCK_N +128 warps +12 stages 4: +(\d+) "
                       r"registers, +(\d+) B stack", r.stdout, re.M)
-    assert [row[0] for row in rows] == names[:2]
+    assert [row[0] for row in rows] == names[:3]
     assert all(int(regs) <= 168 and int(stack) == 0 for _, regs, stack in rows)
     ce = re.search(r"^ce_smem BOX 128 x 64 boxes 7: +\d+ registers, +0 B stack, +(\d+) KiB "
                    r"shared", r.stdout, re.M)

@@ -227,3 +227,25 @@ def test_qkv_attention_gpu_bf16_accuracy(B, T, C, H):
     for i, what in enumerate(["output", "grad of x", "grad of weight", "grad of bias"]):
         f, e = worst["fused"][i], worst["eager"][i]
         assert f <= 2 * e + 1e-2, f"{what}: fused error {f:.3g} > 2 x eager error {e:.3g} + 0.01"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,T,C,H,bias", [(2, 256, 768, 12, True), (3, 128, 256, 2, False),
+                                          (1, 384, 384, 6, True)])
+def test_gpu_warp_specialised_forward_matches_the_triton_kernel(B, T, C, H, bias):
+    """The Gluon forward (sm_90) against the Triton TMA kernel (forced by a config) on the
+    same bf16 data: two heads a tile (D = 64) and one (D = 128), several tiles per
+    consumer, tiles of all three segments in one sequence; the same fp32 accumulation over
+    the same K steps, so equal to a bf16 rounding."""
+    from fusedtrain.kernels import qkv as Kn
+    from fusedtrain.kernels import qkv_ws
+    from fusedtrain.kernels._tma import tma_config, ws_ok
+
+    x = torch.randn(B, T, C, device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn(3 * C, C, device="cuda") / C ** 0.5).bfloat16()
+    b = torch.randn(3 * C, device="cuda", dtype=torch.bfloat16) if bias else None
+    if not ws_ok(x, w):
+        pytest.skip("the warp-specialised kernels need an sm_90 GPU and triton 3.6")
+    assert qkv_ws.fits(T, C, C // H)
+    for got, ref in zip(Kn.qkv_fwd(x, w, b, H), Kn.qkv_fwd(x, w, b, H, config=tma_config(C))):
+        torch.testing.assert_close(got, ref)

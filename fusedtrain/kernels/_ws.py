@@ -174,9 +174,10 @@ def _mainloop(p, which: gl.constexpr, i):
 
 
 @gluon.jit
-def _consumer(p, args, which: gl.constexpr, buf_desc, prefetch: gl.constexpr,
+def _consumer(p, args, which: gl.constexpr, buf_dtype: gl.constexpr, prefetch: gl.constexpr,
               epilogue: gl.constexpr):
-    buf = gl.allocate_shared_memory(buf_desc.dtype, [BM, BN], buf_desc.layout)
+    buf = gl.allocate_shared_memory(buf_dtype, [BM, BN],
+                                    gl.NVMMASharedLayout.get_default_for([BM, BN], buf_dtype))
     bar = _barriers(1).index(0)
     n_tiles = gl.cdiv(p.M, BM) * gl.cdiv(p.N, BN)
     nprog = gl.num_programs(0)
@@ -191,11 +192,11 @@ def _consumer(p, args, which: gl.constexpr, buf_desc, prefetch: gl.constexpr,
 
 
 @gluon.jit
-def run(p, args, buf_desc, prefetch: gl.constexpr, epilogue: gl.constexpr):
-    """The kernel body: producer and consumers over the pipe; buf_desc gives the consumers'
-    buffer its dtype and layout."""
-    gl.warp_specialize([(_consumer, (p, args, 0, buf_desc, prefetch, epilogue)),
-                        (_consumer, (p, args, 1, buf_desc, prefetch, epilogue)),
+def run(p, args, buf_dtype: gl.constexpr, prefetch: gl.constexpr, epilogue: gl.constexpr):
+    """The kernel body: producer and consumers over the pipe; each consumer's (BM, BN)
+    buffer holds buf_dtype, laid out as matrix_desc's (BM, BN) tiles."""
+    gl.warp_specialize([(_consumer, (p, args, 0, buf_dtype, prefetch, epilogue)),
+                        (_consumer, (p, args, 1, buf_dtype, prefetch, epilogue)),
                         (_producer, (p,))], [4, 1], [_CONSUMER_REGS, _PRODUCER_REGS])
 
 
@@ -205,12 +206,17 @@ def no_prefetch(args, buf, bar, off_m, off_n):
 
 
 @gluon.jit
-def store_tile(desc, buf, val, off_m, off_n):
-    """TMA-store val (BM, BN) at (off_m, off_n) through buf, once buf's last store has
-    read it out."""
+def stage_tile(buf, val):
+    """val into buf, once buf's last TMA store has read it out, ready for TMA stores."""
     tma.store_wait(pendings=0)
-    buf.store(val.to(desc.dtype))
+    buf.store(val.to(buf.dtype))
     fence_async_shared()
+
+
+@gluon.jit
+def store_tile(desc, buf, val, off_m, off_n):
+    """TMA-store val (BM, BN) at (off_m, off_n) through buf."""
+    stage_tile(buf, val)
     tma.async_copy_shared_to_global(desc, [off_m, off_n], buf)
 
 

@@ -67,7 +67,7 @@ def _linear_gelu_fwd_ws_kernel(x_ptr, w_ptr, b_ptr, y_ptr, h_ptr, M, N, K, s_xm,
                   M, N, K, True)
     args = _FwdArgs(y_desc, matrix_desc(h_ptr, M, N, s_hm, BM, BN), b_ptr, gl.to_tensor(N),
                     HAS_BIAS, STORE_H, APPROX)
-    run(p, args, y_desc, no_prefetch, _fwd_epilogue)
+    run(p, args, y_desc.dtype, no_prefetch, _fwd_epilogue)
 
 
 @aggregate
@@ -113,7 +113,7 @@ def _matmul_dgelu_ws_kernel(dy_ptr, w_ptr, h_ptr, dh_ptr, part_ptr, M, N, K, s_d
                   M, N, K, False)
     args = _DgeluArgs(h_desc, matrix_desc(dh_ptr, M, N, s_dhm, BM, BN), part_ptr,
                       gl.to_tensor(N), COL_SUMS, APPROX)
-    run(p, args, h_desc, _load_h, _dgelu_epilogue)
+    run(p, args, h_desc.dtype, _load_h, _dgelu_epilogue)
 
 
 def linear_gelu_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -10,6 +10,8 @@ Every program works inside one segment, so its q/k/v pointer is a scalar choice.
 The forward and dx GEMMs have a persistent TMA version (kernels/_tma.py: Hopper, 16-bit,
 aligned operands; tiles from its measured table) beside the pointer-based one used for
 everything else (block sizes: triton.autotune over the shared tilings, keyed on (M, C)).
+On an sm_90 GPU the forward runs instead as a warp-specialised Gluon kernel (qkv_ws),
+whose epilogue overlaps the MMAs, where its tiles fit the heads (qkv_ws.fits).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from fusedtrain.kernels._tma import (
     tma_config,
     tma_matmul,
     tma_ok,
+    ws_ok,
 )
 
 
@@ -282,6 +285,11 @@ def qkv_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n_
     flags = dict(HAS_BIAS=bias is not None, **gemm_flags(x))
     b_arg = bias if bias is not None else x
     if tma_ok(x, weight) and (B == 1 or x.stride(0) == T * x.stride(1)):
+        if config is None and ws_ok(x, weight):
+            from fusedtrain.kernels import qkv_ws  # Gluon: imported where it compiles
+            if qkv_ws.fits(T, C, D):
+                qkv_ws.qkv_fwd(x.reshape(M, C), weight, bias, q, k, v)
+                return q, k, v
         cfg = config or tma_config(C)
         tiles = triton.cdiv(M, cfg.block_m) * 3 * triton.cdiv(C, cfg.block_n)
         head_store = (T % cfg.block_m == 0 and C % cfg.block_n == 0
