@@ -13,7 +13,7 @@ machine's (put that version first on PYTHONPATH, e.g. `pip install --no-deps --t
 triton==3.6.0`): the figures guide, the GPU decides.
 
   python scripts/compile_report.py [--head-dim 128] [--causal] [--bias-sums]
-      [--kernels fwd dkdv dq linear_gelu_fwd dgelu gelu_rhs qkv_fwd qkv_dx emb_fwd emb_bwd
+      [--kernels fwd dkdv dq linear_gelu_fwd dgelu gelu_rhs qkv_fwd qkv_dx qkv_dw emb_fwd emb_bwd
                  linear_gelu_fwd_ws dgelu_ws qkv_fwd_ws ce_smem]
 
 The last four are Gluon kernels (the warp-specialised GEMMs of kernels._ws and the
@@ -89,6 +89,7 @@ KERNELS = {"fwd": (A._attn_fwd_kernel, A.FWD_CONFIGS, {}),
            "gelu_rhs": (LG._matmul_gelu_rhs_tma_kernel, [_table_config()], {}),
            "qkv_fwd": (Q._qkv_fwd_tma_kernel, [_table_config()], {}),
            "qkv_dx": (Q._qkv_dx_tma_kernel, [_table_config()], {}),
+           "qkv_dw": (Q._qkv_dw_tma_kernel, [_table_config()], {}),
            "emb_fwd": (E._embedding_fwd_kernel, _EMB_CONFIG, _EMB_POINTERS),
            "emb_bwd": (E._embedding_bwd_kernel, _EMB_CONFIG, _EMB_POINTERS)}
 
@@ -185,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
     constexprs = dict(CAUSAL=args.causal, ACC=tl.float32, PRECISION="tf32",
                       BLOCK_D=args.head_dim, TMA=True, BIAS_SUMS=args.bias_sums,
                       GRAIN=A.BIAS_GRAIN, HAS_BIAS=True, STORE_H=True, APPROX=FAST_TANH.value,
-                      COL_SUMS=True, STREAM_K=True, POSITIONS=True,
+                      COL_SUMS=True, STREAM_K=True, ATOMIC=True, POSITIONS=True,
                       HEAD_D=args.head_dim if args.head_dim in (block_n // 2, block_n // 4) else 0)
     print(f"triton {triton.__version__}, target sm_90, bf16, head dim {args.head_dim}, "
           f"{'causal' if args.causal else 'full'}")

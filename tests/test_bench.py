@@ -94,7 +94,8 @@ def test_compile_report_compiles_the_tma_gemms_for_hopper_without_a_gpu(tmp_path
     a time), and the embedding kernels, compiled for sm_90. (Two device calls were once
     lost to kernels the interpreter ran and the GPU's Triton would not compile; this
     catches such kernels.)"""
-    gemms = ["linear_gelu_fwd", "dgelu", "gelu_rhs", "qkv_fwd", "qkv_dx", "emb_fwd", "emb_bwd"]
+    gemms = ["linear_gelu_fwd", "dgelu", "gelu_rhs", "qkv_fwd", "qkv_dx", "qkv_dw", "emb_fwd",
+             "emb_bwd"]
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "compile_report.py"),
                         "--head-dim", "64", "--kernels", *gemms], capture_output=True,
                        text=True, timeout=600,

@@ -66,6 +66,34 @@ def test_tma_kernels_match_eager(B, T, C, H, block_n, monkeypatch):
     torch.testing.assert_close(K.qkv_dx(*grads, w, config=small), packed @ w)
 
 
+
+@pytest.mark.parametrize("B,T,C,H,block_m,splits", [(2, 32, 48, 3, 16, 1), (1, 48, 64, 4, 32, 1),
+                                                    (2, 128, 48, 3, 16, 2),
+                                                    (3, 128, 64, 4, 32, 3)])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_tma_weight_gradient_matches_eager(B, T, C, H, block_m, splits, deterministic,
+                                           monkeypatch):
+    """qkv_dw through TMA, reading dq, dk, dv in place: tiles of one head (block_m = D) and
+    of two sharing each x tile (block_m = 2D), the token reduction whole or split in two or
+    three slices (added in place by bulk reductions, or apart and summed by the host under
+    torch's deterministic mode); five persistent programs over the three segments."""
+    from fusedtrain.kernels import qkv as K
+    from fusedtrain.kernels._tma import TmaConfig
+
+    monkeypatch.setattr(TmaConfig, "programs", lambda self, work, device: min(work, 5))
+    monkeypatch.setattr(K, "_qkv_dw_kernel", None)  # the pointer kernel must not be taken
+    small = TmaConfig(block_m=block_m, block_n=32, block_k=16, num_warps=4, num_stages=1)
+    x = torch.randn(B, T, C, dtype=F64)
+    grads = [torch.randn(B, H, T, C // H, dtype=F64) for _ in range(3)]
+    packed = torch.cat([g.transpose(1, 2).reshape(B * T, C) for g in grads], -1)
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        got = K.qkv_dw(*grads, x, config=small, splits=splits)
+    finally:
+        torch.use_deterministic_algorithms(was)
+    torch.testing.assert_close(got, packed.T @ x.reshape(B * T, C))
+
 # Both ops that take x through the QKV projection: the projection alone, and the
 # projection with the attention (qkv_attention, whose tests follow further down).
 PROJECTING = ["qkv_projection", "qkv_attention"]
@@ -249,3 +277,27 @@ def test_gpu_warp_specialised_forward_matches_the_triton_kernel(B, T, C, H, bias
     assert qkv_ws.fits(T, C, C // H)
     for got, ref in zip(Kn.qkv_fwd(x, w, b, H), Kn.qkv_fwd(x, w, b, H, config=tma_config(C))):
         torch.testing.assert_close(got, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,T,C,H", [(16, 1024, 768, 12), (2, 512, 1024, 8)])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_gpu_tma_weight_gradient_matches_fp64(B, T, C, H, deterministic, monkeypatch):
+    """qkv_dw's TMA kernel on the GPU from bf16 head-split gradients (gpt2's 16384 tokens
+    split in slices; two heads a tile at D = 64, one at D = 128), against the fp64 product:
+    fp32 accumulation, so far inside a bf16 rounding."""
+    from fusedtrain.kernels import qkv as K
+
+    monkeypatch.setattr(K, "_qkv_dw_kernel", None)  # the pointer kernel must not be taken
+    x = torch.randn(B, T, C, device="cuda", dtype=torch.bfloat16)
+    grads = [torch.randn(B, H, T, C // H, device="cuda", dtype=torch.bfloat16)
+             for _ in range(3)]
+    packed = torch.cat([g.transpose(1, 2).reshape(B * T, C) for g in grads], -1)
+    want = packed.double().T @ x.double().reshape(B * T, C)
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        got = K.qkv_dw(*grads, x, torch.float32)
+    finally:
+        torch.use_deterministic_algorithms(was)
+    assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()

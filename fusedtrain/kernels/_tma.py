@@ -119,6 +119,17 @@ def ws_ok(*operands: torch.Tensor) -> bool:
             and _sm90(operands[0].device))
 
 
+def k_splits(tiles: int, K: int, device: torch.device, per_sm: int = 1) -> int:
+    """How many slices to split a GEMM's reduction over, for `tiles` output tiles: the count
+    (at most 8, each slice at least 1024 long) whose tiles x slices work items spread most
+    evenly over per_sm programs per SM, i.e. with the smallest ceil(tiles * s / P) / s."""
+    if INTERPRET:
+        return 1
+    programs = per_sm * sm_count(device)
+    return min(range(1, max(1, min(8, K // 1024)) + 1),
+               key=lambda s: (triton.cdiv(tiles * s, programs) / s, s))
+
+
 def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
     return torch.empty(size, device="cuda", dtype=torch.int8)
 

@@ -38,13 +38,13 @@ from fusedtrain.kernels._common import (
     gemm_configs,
     gemm_flags,
     gemm_tile,
-    sm_count,
     stat_dtype,
     tile_ptrs,
 )
 from fusedtrain.kernels._tma import (
     TmaConfig,
     column_halves,
+    k_splits,
     launch,
     matrix_desc,
     reduce_tile,
@@ -344,17 +344,6 @@ def matmul_dgelu(dy: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, approximat
         dy.stride(0), dy.stride(1), w2.stride(0), w2.stride(1),
         h.stride(0), h.stride(1), dh.stride(0), dh.stride(1), **flags)
     return dh, bias_grad(dh, sums_dtype) if col_sums else None
-
-
-def k_splits(tiles: int, K: int, device: torch.device, per_sm: int = 1) -> int:
-    """How many slices to split a GEMM's reduction over, for `tiles` output tiles: the count
-    (at most 8, each slice at least 1024 long) whose tiles x slices work items spread most
-    evenly over per_sm programs per SM, i.e. with the smallest ceil(tiles * s / P) / s."""
-    if INTERPRET:
-        return 1
-    programs = per_sm * sm_count(device)
-    return min(range(1, max(1, min(8, K // 1024)) + 1),
-               key=lambda s: (triton.cdiv(tiles * s, programs) / s, s))
 
 
 def matmul_gelu_rhs(dy: torch.Tensor, h: torch.Tensor, approximate: str,
