@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
     constexprs = dict(CAUSAL=args.causal, ACC=tl.float32, PRECISION="tf32",
                       BLOCK_D=args.head_dim, TMA=True, BIAS_SUMS=args.bias_sums,
                       GRAIN=A.BIAS_GRAIN, HAS_BIAS=True, STORE_H=True, APPROX=FAST_TANH.value,
-                      COL_SUMS=True, STREAM_K=True, ATOMIC=True, POSITIONS=True,
+                      COL_SUMS=True, STREAM_K=True, POSITIONS=True,
                       HEAD_D=args.head_dim if args.head_dim in (block_n // 2, block_n // 4) else 0)
     print(f"triton {triton.__version__}, target sm_90, bf16, head dim {args.head_dim}, "
           f"{'causal' if args.causal else 'full'}")

@@ -31,7 +31,6 @@ from fusedtrain.kernels._common import (
     grouped_tile,
     matmul_acc,
     pick3,
-    stat_dtype,
 )
 from fusedtrain.kernels._tma import (
     TmaConfig,
@@ -39,7 +38,6 @@ from fusedtrain.kernels._tma import (
     k_splits,
     launch,
     matrix_desc,
-    reduce_tile,
     tile_origin,
     tma_config,
     tma_matmul,
@@ -277,91 +275,45 @@ def _qkv_dx_tma_kernel(
 
 
 @device_fn
-def _head_cols_matmul(g_desc, x_desc, h0, off_n, k0, k_len, T, H, ACC: tl.constexpr,
-                      PRECISION: tl.constexpr, HEAD_D: tl.constexpr, HEADS: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """(top, bottom), each (HEAD_D, BLOCK_N): the dW rows of head h0 of one segment and,
-    with HEADS == 2, of head h0 + 1, over tokens m in [k0, k0 + k_len) and columns
-    off_n..: sum_m g[b, h, t, :] (x) x[m, off_n:]; g_desc views g (B, H, T, D) as rows
-    (b*H + h)*T + t. Both heads' products share each x tile."""
-    top = tl.full((HEAD_D, BLOCK_N), 0.0, ACC)
-    bottom = tl.full((HEAD_D, BLOCK_N), 0.0, ACC)
-    for k in range(k0, k0 + k_len, BLOCK_K):
-        row = ((k // T) * H + h0) * T + k % T
-        xk = x_desc.load([k, off_n])
-        top = tl.dot(tl.trans(g_desc.load([row, 0])), xk, top, input_precision=PRECISION)
-        if HEADS == 2:
-            bottom = tl.dot(tl.trans(g_desc.load([row + T, 0])), xk, bottom,
-                            input_precision=PRECISION)
-    return top, bottom
-
-
-@device_fn
-def _put_dw_rows(c_desc, s, row, off_n, acc, ATOMIC: tl.constexpr, HEAD_D: tl.constexpr,
-                 BLOCK_N: tl.constexpr):
-    """acc (HEAD_D, BLOCK_N) into C (SPLITS or 1, 3C, C) at rows row.., columns off_n..:
-    added into C[0] (ATOMIC) or stored as C[s]; a column half at a time (half the staging
-    shared memory of a whole fp32 tile)."""
-    left, right = column_halves(acc, HEAD_D, BLOCK_N)
-    if ATOMIC:
-        reduce_tile(c_desc, [0, row, off_n], left[None, :, :])
-        reduce_tile(c_desc, [0, row, off_n + BLOCK_N // 2], right[None, :, :])
-    else:
-        c_desc.store([s, row, off_n], left.to(c_desc.dtype)[None, :, :])
-        c_desc.store([s, row, off_n + BLOCK_N // 2], right.to(c_desc.dtype)[None, :, :])
-
-
-@device_fn
-def _segment_dw(g_desc, x_desc, c_desc, seg: tl.constexpr, M, C, T, H, K_SPLIT, SPLITS,
-                ATOMIC: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
-                HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def _segment_dw(g_desc, x_desc, dw_desc, seg: tl.constexpr, M, C, T, H, ACC: tl.constexpr,
+                PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    """This program's share of segment seg's work items (slice s of K, output tile), dealt
-    as in _segment_tma: a slice's (BLOCK_M, BLOCK_N) tile of dW rows seg*C + off_c..,
-    BLOCK_M one or two heads."""
-    HEADS: tl.constexpr = BLOCK_M // HEAD_D
+    """This program's share of segment seg's output tiles, dealt as in _segment_tma: head
+    h's rows seg*C + h*D.. of dW, columns off_n.., over all M tokens."""
     tiles = cdiv(C, BLOCK_M) * cdiv(C, BLOCK_N)
-    items = tiles * SPLITS
     n_progs = tl.num_programs(0)
-    first = (tl.program_id(0) + n_progs - (seg * items) % n_progs) % n_progs
-    for w in tl.range(first, items, n_progs):
-        s = w // tiles
-        off_c, off_n = tile_origin(w % tiles, C, C, BLOCK_M, BLOCK_N, GROUP_M)
-        k0 = s * K_SPLIT
-        top, bottom = _head_cols_matmul(g_desc, x_desc, off_c // HEAD_D, off_n, k0,
-                                        tl.minimum(M - k0, K_SPLIT), T, H, ACC, PRECISION,
-                                        HEAD_D, HEADS, BLOCK_N, BLOCK_K)
-        row = seg * C + off_c
-        _put_dw_rows(c_desc, s, row, off_n, top, ATOMIC, HEAD_D, BLOCK_N)
-        if HEADS == 2:
-            _put_dw_rows(c_desc, s, row + HEAD_D, off_n, bottom, ATOMIC, HEAD_D, BLOCK_N)
-
+    first = (tl.program_id(0) + n_progs - (seg * tiles) % n_progs) % n_progs
+    for tile in tl.range(first, tiles, n_progs, flatten=True):
+        h, off_n = tile_origin(tile, C, C, BLOCK_M, BLOCK_N, GROUP_M)
+        h = h // BLOCK_M
+        acc = tl.full((BLOCK_M, BLOCK_N), 0.0, ACC)
+        for k in range(0, M, BLOCK_K):
+            a = tl.trans(g_desc.load([((k // T) * H + h) * T + k % T, 0]))
+            acc = tl.dot(a, x_desc.load([k, off_n]), acc, input_precision=PRECISION)
+        left, right = column_halves(acc, BLOCK_M, BLOCK_N)
+        dw_desc.store([seg * C + h * BLOCK_M, off_n], left.to(dw_desc.dtype))
+        dw_desc.store([seg * C + h * BLOCK_M, off_n + BLOCK_N // 2], right.to(dw_desc.dtype))
 
 @triton.jit
 def _qkv_dw_tma_kernel(
-    dq_ptr, dk_ptr, dv_ptr, x_ptr, c_ptr, M, C, T, H, K_SPLIT, SPLITS, s_xm, s_cs,
-    ATOMIC: tl.constexpr, HEAD_D: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
+    dq_ptr, dk_ptr, dv_ptr, x_ptr, dw_ptr, M, C, T, H, s_xm, s_dw0,
+    ACC: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    # dW[s*C + h*D + d, n] = sum_m dseg[b, h, t, d] * x[m, n], m = b*T + t, reduced in
-    # slices of K_SPLIT tokens (a multiple of BLOCK_K) into C (SPLITS or 1, 3C, C). Needs
-    # contiguous dq, dk, dv, T % BLOCK_K == 0 (a K step stays in one sequence), C %
-    # BLOCK_M == 0 and BLOCK_M = HEAD_D or 2 * HEAD_D (a tile is one or two whole heads).
-    # One loop per segment, as in the forward (a descriptor fixed per loop).
+    # dW[s*C + h*D + d, n] = sum_m dseg[b, h, t, d] * x[m, n], m = b*T + t, one output
+    # tile (one head's D = BLOCK_M rows of dW) at a time: each K step's block of dseg is
+    # the box of rows (b*H + h)*T + t0.. of dseg viewed as a (B*H*T, D) matrix, read
+    # transposed. Needs contiguous dq, dk, dv and T % BLOCK_K == 0 (a K step stays in one
+    # sequence). One loop per segment, as in the forward (a descriptor fixed per loop).
     rows = M * H
     x_desc = matrix_desc(x_ptr, M, C, s_xm, BLOCK_K, BLOCK_N)
-    c_desc = tl.make_tensor_descriptor(c_ptr, shape=[SPLITS, 3 * C, C], strides=[s_cs, C, 1],
-                                       block_shape=[1, HEAD_D, BLOCK_N // 2])
-    _segment_dw(matrix_desc(dq_ptr, rows, HEAD_D, HEAD_D, BLOCK_K, HEAD_D), x_desc, c_desc, 0,
-                M, C, T, H, K_SPLIT, SPLITS, ATOMIC, ACC, PRECISION, HEAD_D, BLOCK_M, BLOCK_N,
-                BLOCK_K, GROUP_M)
-    _segment_dw(matrix_desc(dk_ptr, rows, HEAD_D, HEAD_D, BLOCK_K, HEAD_D), x_desc, c_desc, 1,
-                M, C, T, H, K_SPLIT, SPLITS, ATOMIC, ACC, PRECISION, HEAD_D, BLOCK_M, BLOCK_N,
-                BLOCK_K, GROUP_M)
-    _segment_dw(matrix_desc(dv_ptr, rows, HEAD_D, HEAD_D, BLOCK_K, HEAD_D), x_desc, c_desc, 2,
-                M, C, T, H, K_SPLIT, SPLITS, ATOMIC, ACC, PRECISION, HEAD_D, BLOCK_M, BLOCK_N,
-                BLOCK_K, GROUP_M)
-
+    dw_desc = matrix_desc(dw_ptr, 3 * C, C, s_dw0, BLOCK_M, BLOCK_N // 2)
+    _segment_dw(matrix_desc(dq_ptr, rows, BLOCK_M, BLOCK_M, BLOCK_K, BLOCK_M), x_desc, dw_desc,
+                0, M, C, T, H, ACC, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+    _segment_dw(matrix_desc(dk_ptr, rows, BLOCK_M, BLOCK_M, BLOCK_K, BLOCK_M), x_desc, dw_desc,
+                1, M, C, T, H, ACC, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+    _segment_dw(matrix_desc(dv_ptr, rows, BLOCK_M, BLOCK_M, BLOCK_K, BLOCK_M), x_desc, dw_desc,
+                2, M, C, T, H, ACC, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
 
 def qkv_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n_heads: int,
             config: TmaConfig | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -419,39 +371,23 @@ def qkv_dx(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, weight: torch.T
 
 
 def qkv_dw(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, x: torch.Tensor,
-           out_dtype: torch.dtype | None = None, config: TmaConfig | None = None,
-           splits: int | None = None) -> torch.Tensor:
+           out_dtype: torch.dtype | None = None, config: TmaConfig | None = None) -> torch.Tensor:
     """dq, dk, dv: (B, H, T, D) with equal strides, x: (B, T, C) -> dW_qkv: (3C, C) in
-    out_dtype (default dq's), from the fp32 (fp64) accumulator.
-
-    Through TMA (contiguous dq, dk, dv; tiles of whole heads, see _qkv_dw_tma_kernel), the
-    token reduction is split in `splits` slices (default: k_splits) whose fp32 sums add in
-    place by TMA bulk reductions (in an order, and so to last bits, that vary run to run),
-    or, under torch's deterministic mode, are stored apart and added by the host."""
+    out_dtype (default dq's), from the fp32 (fp64) accumulator. Through TMA where one head
+    is a tile's rows (D = the table's BLOCK_M) and whole tiles fill the GPU (k_splits finds
+    no split worth making)."""
     B, H, T, D = dq.shape
     C = H * D
     M = B * T
-    out_dtype = out_dtype or dq.dtype
+    dw = torch.empty((3 * C, C), device=dq.device, dtype=out_dtype or dq.dtype)
     cfg = config or tma_config(C)
-    if (tma_ok(dq, dk, dv, x) and dq.is_contiguous() and cfg.block_m in (D, 2 * D)
-            and C % cfg.block_m == 0 and T % cfg.block_k == 0
-            and (B == 1 or x.stride(0) == T * x.stride(1))):
-        tiles = 3 * (C // cfg.block_m) * triton.cdiv(C, cfg.block_n)
-        splits = splits or k_splits(tiles, M, dq.device, cfg.per_sm)
-        k_split = triton.cdiv(triton.cdiv(M, splits), 128) * 128  # a multiple of any BLOCK_K
-        splits = triton.cdiv(M, k_split)
-        atomic = splits > 1 and not torch.are_deterministic_algorithms_enabled()
-        if splits == 1:
-            out = torch.empty((1, 3 * C, C), device=dq.device, dtype=out_dtype)
-        elif atomic:
-            out = torch.zeros((1, 3 * C, C), device=dq.device, dtype=stat_dtype(dq))
-        else:
-            out = torch.empty((splits, 3 * C, C), device=dq.device, dtype=stat_dtype(dq))
-        launch(_qkv_dw_tma_kernel, tiles * splits, dq.device, dq, dk, dv, x, out, M, C, T, H,
-               k_split, splits, x.stride(1), out.stride(0), config=cfg, ATOMIC=atomic,
-               HEAD_D=D, **gemm_flags(dq))
-        return (out[0] if splits == 1 or atomic else out.sum(0)).to(out_dtype)
-    dw = torch.empty((3 * C, C), device=dq.device, dtype=out_dtype)
+    tiles = 3 * H * triton.cdiv(C, cfg.block_n)
+    if (tma_ok(dq, dk, dv, x) and dq.is_contiguous() and cfg.block_m == D
+            and T % cfg.block_k == 0 and (B == 1 or x.stride(0) == T * x.stride(1))
+            and k_splits(tiles, M, dq.device, cfg.per_sm) == 1):
+        launch(_qkv_dw_tma_kernel, tiles, dq.device, dq, dk, dv, x, dw, M, C, T, H,
+               x.stride(1), dw.stride(0), config=cfg, **gemm_flags(dq))
+        return dw
     grid = lambda meta: (  # noqa: E731
         3 * triton.cdiv(C, meta["BLOCK_M"]) * triton.cdiv(C, meta["BLOCK_N"]),)
     _qkv_dw_kernel[grid](
