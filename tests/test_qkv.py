@@ -273,7 +273,8 @@ def test_gpu_warp_specialised_forward_matches_the_triton_kernel(B, T, C, H, bias
 @pytest.mark.parametrize("B,T,C,H", [(2, 512, 1024, 8), (8, 2048, 2048, 16)])
 def test_gpu_tma_weight_gradient_matches_fp64(B, T, C, H, monkeypatch):
     """qkv_dw's TMA kernel on the GPU from bf16 head-split gradients (D = 128, a head a
-    tile), against the fp64 product: fp32 accumulation, so far inside a bf16 rounding."""
+    tile), against the fp64 product: the tensor cores' fp32 accumulation over 1024-16384
+    tokens, far inside the bf16 rounding (2**-9 relative) of eager's gradient."""
     from fusedtrain.kernels import qkv as K
 
     monkeypatch.setattr(K, "_qkv_dw_kernel", None)  # the pointer kernel must not be taken
@@ -283,4 +284,4 @@ def test_gpu_tma_weight_gradient_matches_fp64(B, T, C, H, monkeypatch):
     packed = torch.cat([g.transpose(1, 2).reshape(B * T, C) for g in grads], -1)
     want = packed.double().T @ x.double().reshape(B * T, C)
     got = K.qkv_dw(*grads, x, torch.float32)
-    assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
+    assert (got.double() - want).abs().max() <= 1e-4 * want.abs().max()

@@ -283,7 +283,7 @@ def _segment_dw(g_desc, x_desc, dw_desc, seg: tl.constexpr, M, C, T, H, ACC: tl.
     tiles = cdiv(C, BLOCK_M) * cdiv(C, BLOCK_N)
     n_progs = tl.num_programs(0)
     first = (tl.program_id(0) + n_progs - (seg * tiles) % n_progs) % n_progs
-    for tile in tl.range(first, tiles, n_progs, flatten=True):
+    for tile in tl.range(first, tiles, n_progs):
         h, off_n = tile_origin(tile, C, C, BLOCK_M, BLOCK_N, GROUP_M)
         h = h // BLOCK_M
         acc = tl.full((BLOCK_M, BLOCK_N), 0.0, ACC)
