@@ -284,15 +284,16 @@ def _segment_dw(g_desc, x_desc, dw_desc, seg: tl.constexpr, M, C, T, H, ACC: tl.
     n_progs = tl.num_programs(0)
     first = (tl.program_id(0) + n_progs - (seg * tiles) % n_progs) % n_progs
     for tile in tl.range(first, tiles, n_progs):
-        h, off_n = tile_origin(tile, C, C, BLOCK_M, BLOCK_N, GROUP_M)
-        h = h // BLOCK_M
+        off_c, off_n = tile_origin(tile, C, C, BLOCK_M, BLOCK_N, GROUP_M)
+        h = off_c // BLOCK_M
         acc = tl.full((BLOCK_M, BLOCK_N), 0.0, ACC)
         for k in range(0, M, BLOCK_K):
             a = tl.trans(g_desc.load([((k // T) * H + h) * T + k % T, 0]))
             acc = tl.dot(a, x_desc.load([k, off_n]), acc, input_precision=PRECISION)
         left, right = column_halves(acc, BLOCK_M, BLOCK_N)
-        dw_desc.store([seg * C + h * BLOCK_M, off_n], left.to(dw_desc.dtype))
-        dw_desc.store([seg * C + h * BLOCK_M, off_n + BLOCK_N // 2], right.to(dw_desc.dtype))
+        dw_desc.store([seg * C + off_c, off_n], left.to(dw_desc.dtype))
+        dw_desc.store([seg * C + off_c, off_n + BLOCK_N // 2], right.to(dw_desc.dtype))
+
 
 @triton.jit
 def _qkv_dw_tma_kernel(
@@ -314,6 +315,7 @@ def _qkv_dw_tma_kernel(
                 1, M, C, T, H, ACC, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
     _segment_dw(matrix_desc(dv_ptr, rows, BLOCK_M, BLOCK_M, BLOCK_K, BLOCK_M), x_desc, dw_desc,
                 2, M, C, T, H, ACC, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+
 
 def qkv_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n_heads: int,
             config: TmaConfig | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -381,7 +383,7 @@ def qkv_dw(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, x: torch.Tensor
     M = B * T
     dw = torch.empty((3 * C, C), device=dq.device, dtype=out_dtype or dq.dtype)
     cfg = config or tma_config(C)
-    tiles = 3 * H * triton.cdiv(C, cfg.block_n)
+    tiles = 3 * triton.cdiv(C, cfg.block_m) * triton.cdiv(C, cfg.block_n)
     if (tma_ok(dq, dk, dv, x) and dq.is_contiguous() and cfg.block_m == D
             and T % cfg.block_k == 0 and (B == 1 or x.stride(0) == T * x.stride(1))
             and k_splits(tiles, M, dq.device, cfg.per_sm) == 1):

@@ -50,7 +50,8 @@ class _HeadArgs:
 def _head_epilogue(e, acc, buf, bar, off_m, off_n, j):
     # Output column off_n of the 3C is column off_c of segment seg (q, k, v); rows
     # off_m.. are tokens t0.. of sequence b; head h's block is rows (b, h, t0..) of q, k
-    # or v viewed as a (B*H*T, D) matrix, the next head's T rows further on.
+    # or v viewed as a (B*H*T, D) matrix, the next head's T rows further on. (Every column
+    # of the tile exists: fits.)
     if e.HAS_BIAS:
         acc = acc + gl.load(e.b_ptr + tile_columns(off_n)).to(gl.float32)[None, :]
     stage_tile(buf, acc)
