@@ -275,7 +275,7 @@ def test_split_k_count_balances_the_persistent_grid(monkeypatch):
     """k_splits picks the slice count whose work items spread most evenly over the SMs:
     GPT-2's dW2 (72 tiles of 128 x 256 on 132 SMs) -> 7 slices (504 items: 4 rounds of
     1/7 of K, against 1 round of all of K unsplit); a short K caps the slices at K / 1024."""
-    from fusedtrain.kernels import linear_gelu as K
+    from fusedtrain.kernels import _tma as K
 
     monkeypatch.setattr(K, "INTERPRET", False)
     monkeypatch.setattr(K, "sm_count", lambda device: 132)
