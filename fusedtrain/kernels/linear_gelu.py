@@ -309,6 +309,13 @@ def linear_gelu_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     return y, h
 
 
+def _tile_column_sums(dh: torch.Tensor, block_m: int) -> torch.Tensor:
+    """The buffer of dh's column sums per block_m rows that a dGELU kernel writes:
+    (cdiv(M, block_m), N) in dh's statistics dtype (fp32; fp64 for fp64)."""
+    return torch.empty((triton.cdiv(dh.shape[0], block_m), dh.shape[1]), device=dh.device,
+                       dtype=stat_dtype(dh))
+
+
 def matmul_dgelu(dy: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, approximate: str,
                  sums_dtype: torch.dtype | None = None,
                  config: TmaConfig | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -326,15 +333,13 @@ def matmul_dgelu(dy: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, approximat
     if config is None and ws_ok(dy, w2, h):
         from fusedtrain.kernels import _ws, linear_gelu_ws
 
-        parts = (torch.empty((triton.cdiv(M, _ws.BM.value), N), device=dy.device,
-                             dtype=stat_dtype(dy)) if col_sums else None)
+        parts = _tile_column_sums(dh, _ws.BM.value) if col_sums else None
         linear_gelu_ws.matmul_dgelu(dy, w2, h, dh, parts, flags["APPROX"])
         return dh, bias_grad(parts, sums_dtype) if col_sums else None
     if tma_ok(dy, w2, h):
         cfg = config or tma_config(N)
         tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
-        parts = (torch.empty((triton.cdiv(M, cfg.block_m), N), device=dy.device,
-                             dtype=stat_dtype(dy)) if col_sums else dh)  # dh: never written
+        parts = _tile_column_sums(dh, cfg.block_m) if col_sums else dh  # dh: never written
         launch(_matmul_dgelu_tma_kernel, tiles, dy.device, dy, w2, h, dh, parts, M, N, K,
                dy.stride(0), w2.stride(0), h.stride(0), dh.stride(0), config=cfg,
                COL_SUMS=col_sums, **flags)
@@ -400,8 +405,7 @@ def gelu_bwd(dy: torch.Tensor, h: torch.Tensor, approximate: str,
     dh = torch.empty((M, N), device=h.device, dtype=h.dtype)
     block_m, block_n = _GELU_BWD_TILE
     col_sums = sums_dtype is not None
-    parts = (torch.empty((triton.cdiv(M, block_m), N), device=h.device, dtype=stat_dtype(h))
-             if col_sums else dh)  # dh: never written as parts
+    parts = _tile_column_sums(dh, block_m) if col_sums else dh  # dh: never written as parts
     _gelu_bwd_kernel[(triton.cdiv(M, block_m), triton.cdiv(N, block_n))](
         dy, h, dh, parts, M, N, dy.stride(0), h.stride(0), dh.stride(0), COL_SUMS=col_sums,
         APPROX=gelu_mode(approximate, h), ACC=acc_dtype(h), BLOCK_M=block_m, BLOCK_N=block_n,

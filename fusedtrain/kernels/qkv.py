@@ -167,19 +167,25 @@ def _store_head_blocks(half, off_m, off_c, seg, b_ptr, o_desc, C, T, H,
 
 
 @device_fn
+def _segment_first(seg, tiles):
+    """The first of segment seg's `tiles` tiles this program takes, stepping by the program
+    count, when the three segments' tiles are dealt as one sequence (segment seg's tile t
+    is tile seg * tiles + t), so that each program gets what one persistent loop over all
+    of them would give it."""
+    n_progs = tl.num_programs(0)
+    return (tl.program_id(0) + n_progs - (seg * tiles) % n_progs) % n_progs
+
+
+@device_fn
 def _segment_tma(x_desc, w_desc, b_ptr, o_ptr, seg: tl.constexpr, M, C, T, H,
                  HAS_BIAS: tl.constexpr, HEAD_D: tl.constexpr, ACC: tl.constexpr,
                  PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    """This program's share of segment seg's (q, k or v) output tiles, stored by
-    _store_head_blocks. Tiles are dealt to programs as if the three segments' tiles were
-    one sequence (segment seg's tile t is tile seg * tiles + t), so each program gets what
-    one persistent loop over all of them would give it."""
+    """This program's share of segment seg's (q, k or v) output tiles (_segment_first),
+    stored by _store_head_blocks."""
     o_desc = matrix_desc(o_ptr, M * H, HEAD_D, HEAD_D, BLOCK_M, HEAD_D)
     tiles = cdiv(M, BLOCK_M) * cdiv(C, BLOCK_N)
-    n_progs = tl.num_programs(0)
-    first = (tl.program_id(0) + n_progs - (seg * tiles) % n_progs) % n_progs
-    for tile in tl.range(first, tiles, n_progs, flatten=True):
+    for tile in tl.range(_segment_first(seg, tiles), tiles, tl.num_programs(0), flatten=True):
         off_m, off_c = tile_origin(tile, M, C, BLOCK_M, BLOCK_N, GROUP_M)
         acc = tma_matmul(x_desc, w_desc, off_m, seg * C + off_c, 0, C, ACC, PRECISION,
                          BLOCK_M, BLOCK_N, BLOCK_K, B_TRANS=True)
@@ -278,12 +284,10 @@ def _qkv_dx_tma_kernel(
 def _segment_dw(g_desc, x_desc, dw_desc, seg: tl.constexpr, M, C, T, H, ACC: tl.constexpr,
                 PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    """This program's share of segment seg's output tiles, dealt as in _segment_tma: head
-    h's rows seg*C + h*D.. of dW, columns off_n.., over all M tokens."""
+    """This program's share of segment seg's output tiles (_segment_first): head h's rows
+    seg*C + h*D.. of dW, columns off_n.., over all M tokens."""
     tiles = cdiv(C, BLOCK_M) * cdiv(C, BLOCK_N)
-    n_progs = tl.num_programs(0)
-    first = (tl.program_id(0) + n_progs - (seg * tiles) % n_progs) % n_progs
-    for tile in tl.range(first, tiles, n_progs):
+    for tile in tl.range(_segment_first(seg, tiles), tiles, tl.num_programs(0)):
         off_c, off_n = tile_origin(tile, C, C, BLOCK_M, BLOCK_N, GROUP_M)
         h = off_c // BLOCK_M
         acc = tl.full((BLOCK_M, BLOCK_N), 0.0, ACC)
