@@ -138,7 +138,7 @@ def compile_config(kernel, config: triton.Config, constexprs: dict,
 
 def compile_ws(name: str, constexprs: dict):
     """A Gluon kernel of WS_KERNELS, compiled as launched (kernels._ws.launch, or
-    cross_entropy_smem's one CTA of _WARPS warps with a 50304-wide vocabulary's boxes)."""
+    cross_entropy_smem's CTAs of _WARPS warps with a 50304-wide vocabulary's boxes)."""
     import importlib
 
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -149,8 +149,8 @@ def compile_ws(name: str, constexprs: dict):
     fn = getattr(importlib.import_module(f"fusedtrain.kernels.{module}"), kernel)
     consts, signature, divisible = _specialised(
         fn, {**constexprs, "NB": cross_entropy_smem._boxes(50304)}, pointers)
-    options = ({"num_warps": cross_entropy_smem._WARPS} if module == "cross_entropy_smem"
-               else {"num_warps": 4, "maxnreg": _ws._MAXNREG})
+    options = ({"num_warps": cross_entropy_smem._WARPS, "maxnreg": cross_entropy_smem._MAXNREG}
+               if module == "cross_entropy_smem" else {"num_warps": 4, "maxnreg": _ws._MAXNREG})
     source = GluonASTSource(fn, signature=signature, constexprs=consts, attrs=divisible)
     return triton.compile(source, target=HOPPER, options=options)
 

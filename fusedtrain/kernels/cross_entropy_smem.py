@@ -26,11 +26,15 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from fusedtrain.kernels._common import sm_count
 from fusedtrain.kernels._tma import enable_device_descriptors, ws_ok
 
-W, BOX = gl.constexpr(64), gl.constexpr(128)
-_WARPS = 16
-# An H200 CTA's shared memory is 227 KiB at most; some is left for the barriers and the
-# reductions' scratch.
-_SMEM_FOR_BOXES = 220 * 1024
+W, BOX = gl.constexpr(64), gl.constexpr(64)
+# Two CTAs of 8 warps on each SM, so that one's loads and stores run while the other
+# computes its row's logsumexp (H200, GPT-2's 16384 x 50304 bf16 logits: 982 us, 3.4 TB/s,
+# against 1164 us for one CTA of 16 warps with 128-sub-row boxes and 1303 for one of 8;
+# docs/perf-notes.md, twenty-first round). Each CTA gets half of the SM's 64K registers
+# and of its 227 KiB of shared memory, less the barriers' and the reductions' scratch.
+_WARPS, _CTAS_PER_SM = 8, 2
+_MAXNREG = 65536 // (_CTAS_PER_SM * _WARPS * 32)
+_SMEM_FOR_BOXES = 110 * 1024
 LOG2E = gl.constexpr(1.4426950408889634)
 # Each thread holds 8 consecutive logits (one 16-byte access) of a box's sub-rows; a
 # sub-row's 64 logits lie in one warp, so sums along it need no shared memory.
@@ -54,9 +58,9 @@ def fits(logits: torch.Tensor) -> bool:
 @gluon.jit
 def _ce_smem_kernel(logits_ptr, target_ptr, count_ptr, loss_ptr, dlogits_ptr, M, V,
                     ignore_index, NB: gl.constexpr):
-    # One CTA per SM walks rows pid, pid + P, ... Pass 2 of a row frees its boxes one by
-    # one, and each is refilled at once with the next row's: those loads run under the
-    # rest of pass 2, and the next row's pass 1 finds its first boxes in place.
+    # Each CTA (_CTAS_PER_SM on an SM) walks rows pid, pid + P, ... Pass 2 of a row frees
+    # its boxes one by one, and each is refilled at once with the next row's: those loads
+    # run under the rest of pass 2, and the next row's pass 1 finds its first boxes in place.
     dtype: gl.constexpr = logits_ptr.dtype.element_ty
     smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BOX, W], dtype)
     sub_rows = V // W
@@ -129,6 +133,6 @@ def cross_entropy_fwd_grad(logits: torch.Tensor, targets: torch.Tensor, count: t
     ignored rows) into dlogits: (M, V), which may be the logits themselves."""
     M, V = logits.shape
     enable_device_descriptors()
-    _ce_smem_kernel[(max(min(M, sm_count(logits.device)), 1),)](
+    _ce_smem_kernel[(max(min(M, _CTAS_PER_SM * sm_count(logits.device)), 1),)](
         logits, targets, count, loss, dlogits, M, V, ignore_index, NB=_boxes(V),
-        num_warps=_WARPS)
+        num_warps=_WARPS, maxnreg=_MAXNREG)
