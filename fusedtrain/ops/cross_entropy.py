@@ -121,6 +121,16 @@ def cross_entropy(logits: Tensor, targets: Tensor, ignore_index: int = -100,
                                       bool(inplace_backward))
 
 
+@launcher("scaled")
+def _scaled(x: Tensor, s: Tensor) -> Tensor:
+    return K.scaled(x, s)
+
+
+@_scaled.register_fake
+def _(x, s):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
 class LinearCrossEntropyFunction(torch.autograd.Function):
     """Mean cross-entropy of x @ W.T. Forward writes the gradient G of the mean loss with
     respect to the logits over the logits themselves (on Hopper one kernel that reads the
@@ -151,8 +161,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     def backward(ctx, dloss: Tensor):
         x2, weight, dlogits = ctx.saved_tensors
         want_x, want_w = ctx.needs_input_grad[:2]
-        dx = (dlogits @ weight).mul_(dloss).view(ctx.x_shape) if want_x else None
-        dw = weight_grad(dlogits, x2 * dloss, ctx.w_dtype) if want_w else None
+        dx = _scaled(dlogits @ weight, dloss).view(ctx.x_shape) if want_x else None
+        dw = weight_grad(dlogits, _scaled(x2, dloss), ctx.w_dtype) if want_w else None
         return dx, dw, None, None, None
 
 
