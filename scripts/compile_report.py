@@ -136,21 +136,36 @@ def compile_config(kernel, config: triton.Config, constexprs: dict,
                                                           "num_stages": config.num_stages})
 
 
-def compile_ws(name: str, constexprs: dict):
+# The one-pass cross-entropy's vocabularies: GPT-2's (two CTAs per SM) and one whose bf16
+# rows only one CTA's shared memory holds.
+CE_VOCABS = (50304, 100032)
+
+
+def ce_shape(vocab: int):
+    """cross_entropy_smem's launch shape for bf16 rows of `vocab` logits."""
+    from fusedtrain.kernels import cross_entropy_smem
+
+    return cross_entropy_smem.launch_shape(torch.empty(0, vocab, dtype=torch.bfloat16))
+
+
+def compile_ws(name: str, constexprs: dict, vocab: int = CE_VOCABS[0]):
     """A Gluon kernel of WS_KERNELS, compiled as launched (kernels._ws.launch, or
-    cross_entropy_smem's CTAs of _WARPS warps with a 50304-wide vocabulary's boxes)."""
+    cross_entropy_smem's launch shape for rows of `vocab` logits)."""
     import importlib
 
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from fusedtrain.kernels import _ws, cross_entropy_smem
+    from fusedtrain.kernels import _ws
 
     module, kernel, pointers = WS_KERNELS[name]
     fn = getattr(importlib.import_module(f"fusedtrain.kernels.{module}"), kernel)
-    consts, signature, divisible = _specialised(
-        fn, {**constexprs, "NB": cross_entropy_smem._boxes(50304)}, pointers)
-    options = ({"num_warps": cross_entropy_smem._WARPS, "maxnreg": cross_entropy_smem._MAXNREG}
-               if module == "cross_entropy_smem" else {"num_warps": 4, "maxnreg": _ws._MAXNREG})
+    options = {"num_warps": 4, "maxnreg": _ws._MAXNREG}
+    if module == "cross_entropy_smem":
+        shape = ce_shape(vocab)
+        constexprs = {**constexprs, "NB": shape.boxes(vocab), "BOX": shape.box,
+                      "WARPS": shape.warps}
+        options = {"num_warps": shape.warps, "maxnreg": shape.maxnreg}
+    consts, signature, divisible = _specialised(fn, constexprs, pointers)
     source = GluonASTSource(fn, signature=signature, constexprs=consts, attrs=divisible)
     return triton.compile(source, target=HOPPER, options=options)
 
@@ -195,16 +210,22 @@ def main(argv: list[str] | None = None) -> None:
             if not triton.__version__.startswith(GLUON_TRITON):
                 print(f"{name}: skipped (a Gluon kernel, written for triton {GLUON_TRITON}x)")
                 continue
-            from fusedtrain.kernels import _ws, cross_entropy_smem
+            from fusedtrain.kernels import _ws
 
+            if name == "ce_smem":
+                for vocab in CE_VOCABS:
+                    shape = ce_shape(vocab)
+                    r = resources(compile_ws(name, constexprs, vocab))
+                    print(f"{name} V {vocab:6d} BOX {shape.box:3d} x 64 boxes "
+                          f"{shape.boxes(vocab):2d} warps {shape.warps:2d} CTAs per SM "
+                          f"{shape.ctas_per_sm}: {r['registers']:3d} registers, "
+                          f"{r['stack_bytes']:5d} B stack, {r['shared_bytes'] // 1024:3d} KiB "
+                          "shared", flush=True)
+                continue
             compiled = compile_ws(name, constexprs)
             r = resources(compiled)
-            if name == "ce_smem":
-                S = cross_entropy_smem
-                tile = f"BOX {S.BOX.value:3d} x {S.W.value} boxes {S._boxes(50304)}"
-            else:
-                tile = (f"BLOCK_M {_ws.BM.value:3d} BLOCK_N {_ws.BN.value:3d} warps "
-                        f"{compiled.metadata.num_warps:2d} stages {_ws.STAGES.value}")
+            tile = (f"BLOCK_M {_ws.BM.value:3d} BLOCK_N {_ws.BN.value:3d} warps "
+                    f"{compiled.metadata.num_warps:2d} stages {_ws.STAGES.value}")
             print(f"{name:5s} {tile}: {r['registers']:3d} registers, {r['stack_bytes']:5d} B "
                   f"stack, {r['shared_bytes'] // 1024:3d} KiB shared", flush=True)
             continue

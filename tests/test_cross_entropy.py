@@ -197,11 +197,12 @@ def test_linear_cross_entropy_bad_inputs():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("M,V", [(333, 50304), (7, 8384), (264, 64)])
+@pytest.mark.parametrize("M,V", [(333, 50304), (7, 8384), (264, 64), (300, 100032)])
 def test_gpu_shared_memory_kernel_matches_the_triton_kernels(M, V, dtype):
     """The one-pass Gluon kernel (sm_90) against the forward and backward Triton kernels:
-    box tails (8384 = 65.5 boxes of 128 x 64), more rows than CTAs, -inf logits, ignored
-    rows, a target outside [0, V); in place and not."""
+    box tails (8384 logits: 131 sub-rows of 64, two boxes of 64 sub-rows and three more),
+    more rows than CTAs, -inf logits, ignored rows, a target outside [0, V), a row too wide
+    for two CTAs per SM (100032: one CTA's launch shape); in place and not."""
     from fusedtrain.kernels import cross_entropy as K
     from fusedtrain.kernels import cross_entropy_smem
     from fusedtrain.kernels._tma import ws_ok

@@ -17,6 +17,8 @@ interpreter, so the Triton kernels are the CPU path and the reference these are 
 against on the GPU.
 """
 
+from dataclasses import dataclass
+
 import torch
 import triton
 from triton.experimental import gluon
@@ -26,39 +28,63 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from fusedtrain.kernels._common import sm_count
 from fusedtrain.kernels._tma import enable_device_descriptors, ws_ok
 
-W, BOX = gl.constexpr(64), gl.constexpr(64)
-# Two CTAs of 8 warps on each SM, so that one's loads and stores run while the other
-# computes its row's logsumexp (H200, GPT-2's 16384 x 50304 bf16 logits: 982 us, 3.4 TB/s,
-# against 1164 us for one CTA of 16 warps with 128-sub-row boxes and 1303 for one of 8;
-# docs/perf-notes.md, twenty-first round). Each CTA gets half of the SM's 64K registers
-# and of its 227 KiB of shared memory, less the barriers' and the reductions' scratch.
-_WARPS, _CTAS_PER_SM = 8, 2
-_MAXNREG = 65536 // (_CTAS_PER_SM * _WARPS * 32)
-_SMEM_FOR_BOXES = 110 * 1024
+W = gl.constexpr(64)
 LOG2E = gl.constexpr(1.4426950408889634)
-# Each thread holds 8 consecutive logits (one 16-byte access) of a box's sub-rows; a
-# sub-row's 64 logits lie in one warp, so sums along it need no shared memory.
-ROW_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [_WARPS, 1], [1, 0]))
-SUB_ROW = gl.constexpr(gl.SliceLayout(1, ROW_LAYOUT))
+# An H200 SM's shared memory is 227 KiB; some is left for the barriers and the
+# reductions' scratch.
+_SMEM_PER_SM = 220 * 1024
 
 
-def _boxes(V: int) -> int:
-    return triton.cdiv(V // W.value, BOX.value)
+@dataclass(frozen=True)
+class _Shape:
+    """A launch's boxes (sub-rows of W logits each), warps and CTAs per SM; each CTA gets
+    1 / ctas_per_sm of the SM's 64K registers and of its shared memory."""
+
+    box: int
+    warps: int
+    ctas_per_sm: int
+
+    def boxes(self, V: int) -> int:
+        return triton.cdiv(V // W.value, self.box)
+
+    def fits(self, V: int, element_size: int) -> bool:
+        row_bytes = self.boxes(V) * self.box * W.value * element_size
+        return row_bytes <= _SMEM_PER_SM // self.ctas_per_sm
+
+    @property
+    def maxnreg(self) -> int:
+        return min(255, 65536 // (self.ctas_per_sm * self.warps * 32))
+
+
+# Two CTAs of 8 warps on each SM where a row fits in half the shared memory, so that one's
+# loads and stores run while the other computes its row's logsumexp (H200, GPT-2's 16384 x
+# 50304 bf16 logits: 982 us, 3.4 TB/s, against 1164 us for one CTA of 16 warps with
+# 128-sub-row boxes and 1303 for one of 8; docs/perf-notes.md, twenty-first round); that
+# one CTA of 16 warps for rows of up to all of it.
+SHAPES = (_Shape(box=64, warps=8, ctas_per_sm=2), _Shape(box=128, warps=16, ctas_per_sm=1))
+
+
+def launch_shape(logits: torch.Tensor) -> _Shape | None:
+    """The first of SHAPES whose CTAs hold a row of these (M, V) logits, if any."""
+    return next((s for s in SHAPES if s.fits(logits.shape[1], logits.element_size())), None)
 
 
 def fits(logits: torch.Tensor) -> bool:
     """Whether the kernel takes these (M, V) logits: contiguous 16-bit rows that are whole
     sub-rows (V % 64 == 0), a row of them in a CTA's shared memory, on an sm_90 GPU with
     the triton release the Gluon kernels are written for (kernels._tma.ws_ok)."""
-    V = logits.shape[1]
-    return (ws_ok(logits) and logits.is_contiguous() and V % W.value == 0
-            and _boxes(V) * BOX.value * W.value * logits.element_size() <= _SMEM_FOR_BOXES)
+    return (ws_ok(logits) and logits.is_contiguous() and logits.shape[1] % W.value == 0
+            and launch_shape(logits) is not None)
 
 
 @gluon.jit
 def _ce_smem_kernel(logits_ptr, target_ptr, count_ptr, loss_ptr, dlogits_ptr, M, V,
-                    ignore_index, NB: gl.constexpr):
-    # Each CTA (_CTAS_PER_SM on an SM) walks rows pid, pid + P, ... Pass 2 of a row frees
+                    ignore_index, NB: gl.constexpr, BOX: gl.constexpr, WARPS: gl.constexpr):
+    # Each thread holds 8 consecutive logits (one 16-byte access) of a box's sub-rows; a
+    # sub-row's 64 logits lie in one warp, so sums along it need no shared memory.
+    ROW_LAYOUT: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
+    SUB_ROW: gl.constexpr = gl.SliceLayout(1, ROW_LAYOUT)
+    # Each CTA (one or two on an SM) walks rows pid, pid + P, ... Pass 2 of a row frees
     # its boxes one by one, and each is refilled at once with the next row's: those loads
     # run under the rest of pass 2, and the next row's pass 1 finds its first boxes in place.
     dtype: gl.constexpr = logits_ptr.dtype.element_ty
@@ -74,7 +100,7 @@ def _ce_smem_kernel(logits_ptr, target_ptr, count_ptr, loss_ptr, dlogits_ptr, M,
     row = gl.program_id(0)
     step = gl.num_programs(0)
     for b in gl.static_range(NB):
-        _load_box(desc, boxes, bars, b, row * sub_rows)
+        _load_box(desc, boxes, bars, b, row * sub_rows, BOX)
     # A box's logits, by their column in the row less the box's first (b * BOX * W).
     cols = (gl.arange(0, BOX, layout=SUB_ROW)[:, None] * W
             + gl.arange(0, W, layout=gl.SliceLayout(0, ROW_LAYOUT))[None, :])
@@ -109,7 +135,7 @@ def _ce_smem_kernel(logits_ptr, target_ptr, count_ptr, loss_ptr, dlogits_ptr, M,
             x = boxes.index(b).load(ROW_LAYOUT).to(gl.float32)
             gl.thread_barrier()  # every warp has box b in registers: refill it
             if next_row < M:
-                _load_box(desc, boxes, bars, b, next_row * sub_rows)
+                _load_box(desc, boxes, bars, b, next_row * sub_rows, BOX)
             idx = b * BOX * W + cols
             d = (gl.exp2(x * LOG2E - lse2) - gl.where(idx == target, 1.0, 0.0)) * g
             gl.store(dlogits_ptr + base + idx, d.to(dtype), mask=idx < V)
@@ -118,7 +144,7 @@ def _ce_smem_kernel(logits_ptr, target_ptr, count_ptr, loss_ptr, dlogits_ptr, M,
 
 
 @gluon.jit
-def _load_box(desc, boxes, bars, b: gl.constexpr, first_sub_row):
+def _load_box(desc, boxes, bars, b: gl.constexpr, first_sub_row, BOX: gl.constexpr):
     """Box b of the row whose first sub-row is first_sub_row, by TMA into boxes[b]."""
     fence_async_shared()  # after the generic-proxy reads of the box it overwrites
     mbarrier.expect(bars.index(b), desc.block_type.nbytes)
@@ -133,6 +159,7 @@ def cross_entropy_fwd_grad(logits: torch.Tensor, targets: torch.Tensor, count: t
     ignored rows) into dlogits: (M, V), which may be the logits themselves."""
     M, V = logits.shape
     enable_device_descriptors()
-    _ce_smem_kernel[(max(min(M, _CTAS_PER_SM * sm_count(logits.device)), 1),)](
-        logits, targets, count, loss, dlogits, M, V, ignore_index, NB=_boxes(V),
-        num_warps=_WARPS, maxnreg=_MAXNREG)
+    shape = launch_shape(logits)
+    _ce_smem_kernel[(max(min(M, shape.ctas_per_sm * sm_count(logits.device)), 1),)](
+        logits, targets, count, loss, dlogits, M, V, ignore_index, NB=shape.boxes(V),
+        BOX=shape.box, WARPS=shape.warps, num_warps=shape.warps, maxnreg=shape.maxnreg)
