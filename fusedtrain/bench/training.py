@@ -261,6 +261,19 @@ class _TimeLimit:
         return False
 
 
+def _import_before_time_limits(compiled: bool) -> None:
+    """Import what a variant's run imports lazily (Lightning, through fusedtrain.module
+    and fusedtrain.data; Inductor when a variant compiles) before any variant's time limit
+    is armed: an alarm that stops a first import halfway leaves a partly initialised
+    module behind, and every later variant then fails on it ("partially initialized module
+    'lightning.fabric'", seen once in tests/test_bench.py)."""
+    import fusedtrain.data  # noqa: F401
+    import fusedtrain.module  # noqa: F401
+
+    if compiled:
+        import torch._inductor.compile_fx  # noqa: F401
+
+
 def run_train(args, save=lambda results: None) -> dict:
     """Every variant in turn; `save(results)` after each, so an interrupted run keeps
     what it measured."""
@@ -268,6 +281,7 @@ def run_train(args, save=lambda results: None) -> dict:
     variants = train_variants(args.ablation, args.compile_mode)
     if args.variants:
         variants = {k: v for k, v in variants.items() if k in args.variants}
+    _import_before_time_limits(compiled=any(v["compile"] for v in variants.values()))
     results = {}
     for name, v in variants.items():
         t0 = time.time()
