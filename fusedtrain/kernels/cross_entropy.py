@@ -162,7 +162,7 @@ def cross_entropy_fwd_grad(logits: torch.Tensor, targets: torch.Tensor, ignore_i
         from fusedtrain.kernels import cross_entropy_smem  # Gluon: imported where it compiles
 
         if cross_entropy_smem.fits(logits):
-            loss = torch.empty(logits.shape[0], device=logits.device, dtype=torch.float32)
+            loss = torch.empty(logits.shape[0], device=logits.device, dtype=stat_dtype(logits))
             dlogits = logits if inplace else torch.empty_like(logits)
             cross_entropy_smem.cross_entropy_fwd_grad(logits, targets, count, loss, dlogits,
                                                       ignore_index)
