@@ -10,10 +10,15 @@ fp32: no bf16 gradient rounded, then widened by a second pass). Inside
 multi-tensor copy (thirteenth round of docs/perf-notes.md: about 150 launches a GPT-2 step
 otherwise), and `cast_params` picks the copies up. The forward values are the same bits
 either way: one rounding from fp32.
+
+An optimizer that writes such copies in its own pass (fusedtrain.optim.AdamW) publishes
+them (`publish_copies`); a published copy stands in for the cast as long as its parameter
+is unchanged since (same storage, same version counter).
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -61,12 +66,37 @@ def grouped_casts(*params: torch.Tensor | None) -> Iterator[None]:
         _PREPARED.reset(token)
 
 
+# id(parameter) -> (weak reference to it, copy, its version and address when published).
+_PUBLISHED: dict[int, tuple[weakref.ref, torch.Tensor, int, int]] = {}
+
+
+def publish_copies(params: list[torch.Tensor], copies: list[torch.Tensor]) -> None:
+    """copies[i] holds params[i] cast to copies[i].dtype, as of now."""
+    for dead in [k for k, (ref, *_) in _PUBLISHED.items() if ref() is None]:
+        del _PUBLISHED[dead]
+    for p, c in zip(params, copies):
+        _PUBLISHED[id(p)] = (weakref.ref(p), c, p._version, p.data_ptr())
+
+
+def _published_copy(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    entry = _PUBLISHED.get(id(t))
+    if entry is None:
+        return None
+    ref, copy, version, address = entry
+    fresh = (ref() is t and copy.dtype == dtype and t._version == version
+             and t.data_ptr() == address)
+    return copy if fresh else None
+
+
 def _prepared_copy(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
-    """grouped_casts' copy of t in `dtype`, if the block being run holds one."""
+    """grouped_casts' copy of t in `dtype`, if the block being run holds one, else a
+    published one still fresh."""
     if torch.compiler.is_compiling():
         return None
     copy = _PREPARED.get().get(id(t))
-    return copy if copy is not None and copy.dtype == dtype else None
+    if copy is not None and copy.dtype == dtype:
+        return copy
+    return _published_copy(t, dtype)
 
 
 def cast_params(dtype: torch.dtype | None,

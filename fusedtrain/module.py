@@ -13,6 +13,7 @@ import torch
 
 from fusedtrain.model import GPT, GPTConfig
 from fusedtrain.ops import register_inductor_fallbacks
+from fusedtrain.optim import AdamW
 
 # Dense bf16 tensor-core peaks (FLOP/s) by device-name fragment, for MFU.
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L4": 121e12, "A10": 125e12}
@@ -273,6 +274,16 @@ class GPTModule(L.LightningModule):
         on_cuda = all(p.is_cuda for p in self.model.parameters())
         return on_cuda and str(self.trainer.precision) != "16-mixed"
 
+    def _writes_weight_copies(self) -> bool:
+        """fusedtrain.optim.AdamW, which also writes the bf16 weights the fused ops read
+        next, where they read them: fused ops run uncompiled (Inductor makes its own
+        casts) under bf16 autocast on CUDA, unsharded (no copy of an FSDP shard is what
+        an op reads)."""
+        sharded = "fsdp" in type(self.trainer.strategy).__name__.lower()
+        return (any(self.model.config.kernels.values()) and self._fused_adamw()
+                and not sharded and not self.compile
+                and str(self.trainer.precision) == "bf16-mixed")
+
     def configure_optimizers(self):
         o = self.optim_cfg
         # Decay the matrices (embeddings, projections), not biases or LayerNorm scales;
@@ -280,11 +291,13 @@ class GPTModule(L.LightningModule):
         decay, no_decay = [], []
         for name, p in self.model.named_parameters():
             (decay if name.endswith("weight") and "ln_" not in name else no_decay).append(p)
-        opt = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": o.weight_decay},
-             {"params": no_decay, "weight_decay": 0.0}],
-            lr=o.lr, betas=(o.beta1, o.beta2), fused=self._fused_adamw(),
-        )
+        groups = [{"params": decay, "weight_decay": o.weight_decay},
+                  {"params": no_decay, "weight_decay": 0.0}]
+        if self._writes_weight_copies():
+            opt = AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), copy_dtype=torch.bfloat16)
+        else:
+            opt = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2),
+                                    fused=self._fused_adamw())
         sched = torch.optim.lr_scheduler.LambdaLR(
             opt, lambda s: lr_multiplier(s, o.warmup_steps, self.max_steps, o.min_lr_ratio)
         )

@@ -68,6 +68,7 @@ def train_setup(model_name: str, batch: int, seq: int, n_batches: int, variant: 
     from omegaconf import OmegaConf
 
     from fusedtrain.model import GPT, GPTConfig
+    from fusedtrain.optim import AdamW
 
     base = OmegaConf.to_container(OmegaConf.load(MODEL_CONFIGS / f"{model_name}.yaml"))
     cfg = GPTConfig(**{**base, "block_size": max(seq, base["block_size"]),
@@ -82,8 +83,12 @@ def train_setup(model_name: str, batch: int, seq: int, n_batches: int, variant: 
         else model.loss
     graphs = mode == "reduce-overhead"
     whole_step_graph = variant.get("graph", False) and device == "cuda"
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda",
-                            capturable=whole_step_graph)
+    if any(variant["kernels"].values()) and not mode and device == "cuda":
+        # Also writes the bf16 weights that the fused ops read next (fusedtrain.optim).
+        opt = AdamW(model.parameters(), lr=1e-4, copy_dtype=torch.bfloat16)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda",
+                                capturable=whole_step_graph)
     data = training_batches(data_source, n_batches, batch, seq, cfg.vocab_size, device)
     # Autocast's weight-cast cache would hold tensors made during capture; graphs need it off.
     amp = torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda",

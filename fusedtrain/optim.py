@@ -1,0 +1,136 @@
+"""AdamW whose step also writes the weights the next forward reads (kernels.adamw).
+
+`AdamW` is torch.optim.AdamW (same hyperparameters, state, checkpoints) with its step run
+by one Triton launch per parameter group that also writes each parameter's copy in
+`copy_dtype`, the autocast dtype. The copies are published to fusedtrain.casts, so the
+fused ops read them instead of casting the fp32 weights again: at GPT-2's size 2 bytes a
+parameter written in the optimizer's pass against 6 read and written by the casts
+(docs/perf-notes.md, twenty-second round).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+from fusedtrain import casts
+from fusedtrain.kernels import INTERPRET
+from fusedtrain.kernels import adamw as kernel
+
+# Tables kept per optimizer (one per set of gradient addresses seen lately): a captured
+# step re-copies its table from the host buffer it was made from, which must outlive it.
+_TABLES_KEPT = 8
+
+
+class AdamW(torch.optim.AdamW):
+    """torch.optim.AdamW whose step also writes every parameter's `copy_dtype` copy (None:
+    no copies) and publishes it (casts.publish_copies).
+
+    Runs where Triton does (CUDA; CPU under the interpreter) for contiguous, 16-byte
+    aligned fp32 parameters and gradients with the plain options; with torch's others
+    (`options`: amsgrad, maximize, differentiable; or a tensor lr) or other parameters,
+    each step is torch's own, without copies. A group's step count is one device tensor
+    shared by its parameters' states (they advance together), so that a step captured in
+    a CUDA graph replays with the right bias corrections."""
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2,
+                 copy_dtype: torch.dtype | None = torch.bfloat16, **options):
+        if copy_dtype not in (None, *kernel.COPY_DTYPES):
+            raise ValueError(f"copy_dtype must be None or one of {kernel.COPY_DTYPES}, "
+                             f"got {copy_dtype}")
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                         **options)
+        self.copy_dtype = copy_dtype
+        self._tables: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+        self._chunks: dict[tuple, torch.Tensor] = {}
+        self._copies: dict[int, torch.Tensor] = {}
+
+    def _runs_here(self) -> bool:
+        """Whether every group steps through the kernel (see the class docstring)."""
+        for group in self.param_groups:
+            if (group["amsgrad"] or group["maximize"] or group["differentiable"]
+                    or isinstance(group["lr"], torch.Tensor)):
+                return False
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if (p.dtype != torch.float32 or p.grad.dtype != torch.float32
+                        or p.grad.is_sparse or not p.grad.is_contiguous()
+                        or not p.is_contiguous()
+                        or p.data_ptr() % 16 or p.grad.data_ptr() % 16  # the kernel's loads
+                        or not (p.is_cuda or (INTERPRET and p.device.type == "cpu"))):
+                    return False
+        return True
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if not self._runs_here():
+            return super().step(closure)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if params:
+                self._step_group(group, params)
+        return loss
+
+    def _state(self, params: list[torch.Tensor]) -> torch.Tensor:
+        """The group's shared step tensor (fp32, on the parameters' device), its
+        parameters' moments made where missing."""
+        first = self.state[params[0]]
+        step = first.get("step", 0.0)
+        if not isinstance(step, torch.Tensor) or step.device != params[0].device:
+            step = torch.tensor(float(step), dtype=torch.float32, device=params[0].device)
+        for p in params:
+            state = self.state[p]
+            if "exp_avg" not in state:
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["step"] = step  # one tensor: a loaded checkpoint gives each its own
+        return step
+
+    def _copy(self, p: torch.Tensor) -> torch.Tensor | None:
+        if self.copy_dtype is None:
+            return None
+        copy = self._copies.get(id(p))
+        if copy is None or copy.shape != p.shape or copy.device != p.device:
+            copy = self._copies[id(p)] = torch.empty_like(p, dtype=self.copy_dtype)
+        return copy
+
+    def _table(self, params, grads, moments, copies) -> torch.Tensor:
+        """The kernel's tensor table on the parameters' device, made once per set of
+        addresses (gradients move between steps unless the step is a graph's replay)."""
+        key = tuple(t.data_ptr() for t in (*params, *grads))
+        table = self._tables.get(key)
+        if table is None:
+            rows = torch.tensor(kernel.tensor_table(params, grads, *moments, copies),
+                                dtype=torch.int64).view(-1, kernel.TABLE_COLUMNS.value)
+            if params[0].is_cuda:  # a pinned source: copied asynchronously, capturable
+                rows = rows.pin_memory()
+            table = (rows, rows.to(params[0].device, non_blocking=True))
+            self._tables[key] = table
+            if len(self._tables) > _TABLES_KEPT:
+                self._tables.popitem(last=False)
+        return table[1]
+
+    def _step_group(self, group: dict, params: list[torch.Tensor]) -> None:
+        step = self._state(params)
+        grads = [p.grad for p in params]
+        moments = ([self.state[p]["exp_avg"] for p in params],
+                   [self.state[p]["exp_avg_sq"] for p in params])
+        copies = [self._copy(p) for p in params] if self.copy_dtype is not None else None
+        numels = tuple(p.numel() for p in params)
+        chunks = self._chunks.get(numels)
+        if chunks is None:
+            chunks = self._chunks[numels] = kernel.chunk_table(list(numels), params[0].device)
+        step.add_(1)
+        beta1, beta2 = group["betas"]
+        kernel.adamw_step(self._table(params, grads, moments, copies), chunks, step,
+                          group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
+                          self.copy_dtype)
+        if copies is not None:
+            casts.publish_copies(params, copies)

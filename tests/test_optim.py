@@ -1,0 +1,142 @@
+"""fusedtrain.optim.AdamW: torch's AdamW, also writing the weights' bf16 copies."""
+
+import pytest
+import torch
+
+from fusedtrain import casts
+from fusedtrain.optim import AdamW
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+SHAPES = [(37,), (130, 72), (9000,), (3, 3000)]  # one spans two chunks under the interpreter
+
+
+def _params(seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=g).to(DEVICE).requires_grad_() for s in SHAPES]
+
+
+def _pair(**options):
+    """(ours, torch's) over equal parameters in two groups, weight decay on the first."""
+    mine, ref = _params(), _params()
+
+    def groups(ps):
+        return [{"params": ps[:2], "weight_decay": 0.1}, {"params": ps[2:], "weight_decay": 0.0}]
+
+    return (mine, AdamW(groups(mine), lr=1e-2, **options),
+            ref, torch.optim.AdamW(groups(ref), lr=1e-2, foreach=False))
+
+
+def _step_both(mine, opt, ref, opt_ref, seed):
+    g = torch.Generator().manual_seed(seed)
+    for p, r in zip(mine, ref):
+        grad = torch.randn(p.shape, generator=g).to(DEVICE)
+        p.grad, r.grad = grad.clone(), grad.clone()
+    opt.step()
+    opt_ref.step()
+
+
+def _close(mine, opt, ref, opt_ref):
+    for p, r in zip(mine, ref):
+        torch.testing.assert_close(p, r, rtol=1e-6, atol=1e-6)
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(opt.state[p][key], opt_ref.state[r][key],
+                                       rtol=1e-5, atol=1e-7)
+
+
+def _ulps_apart(a: torch.Tensor, b: torch.Tensor) -> int:
+    return (a.view(torch.int16).int() - b.view(torch.int16).int()).abs().max().item()
+
+
+def test_steps_as_torch_adamw_and_publishes_the_bf16_weights():
+    mine, opt, ref, opt_ref = _pair()
+    for seed in range(3):
+        _step_both(mine, opt, ref, opt_ref, seed)
+    _close(mine, opt, ref, opt_ref)
+    assert all(opt.state[p]["step"].item() == 3 for p in mine)
+    for p in mine:
+        copy = casts._prepared_copy(p, torch.bfloat16)
+        assert copy is not None and copy.dtype == torch.bfloat16
+        # The GPU rounds to nearest even, as p.to(bfloat16); the interpreter truncates.
+        assert _ulps_apart(copy, p.detach().to(torch.bfloat16)) <= (0 if p.is_cuda else 1)
+        assert casts._prepared_copy(p, torch.float16) is None  # another dtype: cast anew
+
+
+def test_a_parameter_changed_after_the_step_is_cast_again():
+    mine, opt, ref, opt_ref = _pair()
+    _step_both(mine, opt, ref, opt_ref, 0)
+    with torch.no_grad():
+        mine[0].add_(1.0)  # in place: a new version
+        mine[1].data = mine[1].data.clone()  # new storage, same version counter
+    assert casts._prepared_copy(mine[0], torch.bfloat16) is None
+    assert casts._prepared_copy(mine[1], torch.bfloat16) is None
+    assert casts._prepared_copy(mine[2], torch.bfloat16) is not None
+
+
+def test_checkpoint_round_trip_continues_the_same_trajectory():
+    mine, opt, ref, opt_ref = _pair()
+    for seed in range(2):
+        _step_both(mine, opt, ref, opt_ref, seed)
+    state = opt.state_dict()
+    resumed = _params()
+    with torch.no_grad():
+        for p, q in zip(resumed, mine):
+            p.copy_(q)
+    opt2 = AdamW([{"params": resumed[:2], "weight_decay": 0.1},
+                  {"params": resumed[2:], "weight_decay": 0.0}], lr=1e-2)
+    opt2.load_state_dict(state)
+    _step_both(resumed, opt2, ref, opt_ref, 2)
+    _close(resumed, opt2, ref, opt_ref)
+
+
+def test_options_the_kernel_lacks_step_through_torch_without_copies():
+    mine, opt, ref, _ = _pair(amsgrad=True)
+    opt_ref = torch.optim.AdamW([{"params": ref[:2], "weight_decay": 0.1},
+                                 {"params": ref[2:], "weight_decay": 0.0}], lr=1e-2,
+                                foreach=False, amsgrad=True)
+    for seed in range(2):
+        _step_both(mine, opt, ref, opt_ref, seed)
+    for p, r in zip(mine, ref):
+        torch.testing.assert_close(p, r, rtol=1e-6, atol=1e-6)
+        assert casts._prepared_copy(p, torch.bfloat16) is None
+
+
+def test_bad_copy_dtype_is_refused():
+    with pytest.raises(ValueError, match="copy_dtype"):
+        AdamW(_params(), copy_dtype=torch.int8)
+
+
+def test_no_copies_when_asked_for_none():
+    mine, opt, ref, opt_ref = _pair(copy_dtype=None)
+    _step_both(mine, opt, ref, opt_ref, 0)
+    _close(mine, opt, ref, opt_ref)
+    assert all(casts._prepared_copy(p, torch.bfloat16) is None for p in mine)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_captured_steps_replay_as_eager_steps():
+    """Steps captured in a CUDA graph (gradients at the graph's addresses, the step count
+    on the device) replayed twice equal two eager steps."""
+    mine, opt, ref, opt_ref = _pair()
+    static = [torch.zeros_like(p) for p in mine]
+    _step_both(mine, opt, ref, opt_ref, 0)  # the state exists before the capture
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.cuda.graph(graph):
+        for p, s in zip(mine, static):
+            p.grad = s * 1.0  # made inside the graph: its own address
+        opt.step()
+    torch.cuda.current_stream().wait_stream(side)
+    for seed in (1, 2):
+        g = torch.Generator().manual_seed(seed)
+        for s, r in zip(static, ref):
+            grad = torch.randn(s.shape, generator=g).to(DEVICE)
+            s.copy_(grad)
+            r.grad = grad.clone()
+        graph.replay()
+        opt_ref.step()
+    torch.cuda.synchronize()
+    _close(mine, opt, ref, opt_ref)
+    for p in mine:
+        assert torch.equal(casts._prepared_copy(p, torch.bfloat16), p.detach().to(torch.bfloat16))
