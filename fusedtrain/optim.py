@@ -42,6 +42,11 @@ class AdamW(torch.optim.AdamW):
                              f"got {copy_dtype}")
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                          **options)
+        if "capturable" not in options:
+            # The shared step tensor lives on the device: torch's own step (for the options
+            # the kernel lacks) then reads it there instead of syncing once a parameter.
+            for group in self.param_groups:
+                group["capturable"] = all(p.is_cuda for p in group["params"])
         self.copy_dtype = copy_dtype
         self._tables: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
         self._chunks: dict[tuple, torch.Tensor] = {}
