@@ -72,10 +72,10 @@ _PUBLISHED: dict[int, tuple[weakref.ref, torch.Tensor, int, int]] = {}
 
 def publish_copies(params: list[torch.Tensor], copies: list[torch.Tensor]) -> None:
     """copies[i] holds params[i] cast to copies[i].dtype, as of now."""
-    for dead in [k for k, (ref, *_) in _PUBLISHED.items() if ref() is None]:
-        del _PUBLISHED[dead]
     for p, c in zip(params, copies):
-        _PUBLISHED[id(p)] = (weakref.ref(p), c, p._version, p.data_ptr())
+        key = id(p)  # the entry goes with its parameter
+        ref = weakref.ref(p, lambda _, key=key: _PUBLISHED.pop(key, None))
+        _PUBLISHED[key] = (ref, c, p._version, p.data_ptr())
 
 
 def _published_copy(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:

@@ -51,6 +51,7 @@ class AdamW(torch.optim.AdamW):
         self._tables: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
         self._chunks: dict[tuple, torch.Tensor] = {}
         self._copies: dict[int, torch.Tensor] = {}
+        self._fitting: tuple | None = None  # the parameters' addresses when they last fit
 
     def _runs_here(self) -> bool:
         """Whether every group steps through the kernel (see the class docstring)."""
@@ -58,16 +59,26 @@ class AdamW(torch.optim.AdamW):
             if (group["amsgrad"] or group["maximize"] or group["differentiable"]
                     or isinstance(group["lr"], torch.Tensor)):
                 return False
+        if not self._params_fit():
+            return False
+        for group in self.param_groups:
             for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if (p.dtype != torch.float32 or p.grad.dtype != torch.float32
-                        or p.grad.is_sparse or not p.grad.is_contiguous()
-                        or not p.is_contiguous()
-                        or p.data_ptr() % 16 or p.grad.data_ptr() % 16  # the kernel's loads
-                        or not (p.is_cuda or (INTERPRET and p.device.type == "cpu"))):
+                g = p.grad  # the kernel's loads: fp32, dense, 16-byte aligned
+                if g is not None and (g.dtype != torch.float32 or g.is_sparse
+                                      or not g.is_contiguous() or g.data_ptr() % 16):
                     return False
         return True
+
+    def _params_fit(self) -> bool:
+        """Whether every parameter is one the kernel takes, checked again only when one
+        moves (the checks cost more host time than the step's launch)."""
+        key = tuple(p.data_ptr() for group in self.param_groups for p in group["params"])
+        if key != self._fitting:
+            fit = all(p.dtype == torch.float32 and p.is_contiguous() and p.data_ptr() % 16 == 0
+                      and (p.is_cuda or (INTERPRET and p.device.type == "cpu"))
+                      for group in self.param_groups for p in group["params"])
+            self._fitting = key if fit else None
+        return self._fitting is not None
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -140,3 +140,12 @@ def test_gpu_captured_steps_replay_as_eager_steps():
     _close(mine, opt, ref, opt_ref)
     for p in mine:
         assert torch.equal(casts._prepared_copy(p, torch.bfloat16), p.detach().to(torch.bfloat16))
+
+
+def test_a_published_copy_goes_with_its_parameter():
+    mine, opt, ref, opt_ref = _pair()
+    _step_both(mine, opt, ref, opt_ref, 0)
+    ids = [id(p) for p in mine]
+    assert all(i in casts._PUBLISHED for i in ids)
+    del mine, opt, ref, opt_ref
+    assert not any(i in casts._PUBLISHED for i in ids)
