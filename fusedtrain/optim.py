@@ -32,7 +32,11 @@ class AdamW(torch.optim.AdamW):
     (`options`: amsgrad, maximize, differentiable; or a tensor lr) or other parameters,
     each step is torch's own, without copies. A group's step count is one device tensor
     shared by its parameters' states (they advance together), so that a step captured in
-    a CUDA graph replays with the right bias corrections."""
+    a CUDA graph replays with the right bias corrections.
+
+    A copy stays in use while its parameter's version counter and storage are unchanged:
+    change a parameter in place through the parameter itself (as load_state_dict and
+    torch.nn.init do), not through `p.data`, whose changes no counter sees."""
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2,
@@ -57,7 +61,8 @@ class AdamW(torch.optim.AdamW):
         """Whether every group steps through the kernel (see the class docstring)."""
         for group in self.param_groups:
             if (group["amsgrad"] or group["maximize"] or group["differentiable"]
-                    or isinstance(group["lr"], torch.Tensor)):
+                    or isinstance(group["lr"], torch.Tensor)
+                    or not all(0.0 < b < 1.0 for b in group["betas"])):  # logs of betas
                 return False
         if not self._params_fit():
             return False
@@ -82,12 +87,13 @@ class AdamW(torch.optim.AdamW):
 
     @torch.no_grad()
     def step(self, closure=None):
-        if not self._runs_here():
-            return super().step(closure)
         loss = None
-        if closure is not None:
+        if closure is not None:  # first: it makes the gradients that decide the path
             with torch.enable_grad():
                 loss = closure()
+        if not self._runs_here():
+            super().step()
+            return loss
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             if params:
@@ -99,7 +105,8 @@ class AdamW(torch.optim.AdamW):
         parameters' moments made where missing."""
         first = self.state[params[0]]
         step = first.get("step", 0.0)
-        if not isinstance(step, torch.Tensor) or step.device != params[0].device:
+        if (not isinstance(step, torch.Tensor) or step.device != params[0].device
+                or step.dtype != torch.float32):
             step = torch.tensor(float(step), dtype=torch.float32, device=params[0].device)
         for p in params:
             state = self.state[p]
@@ -119,8 +126,10 @@ class AdamW(torch.optim.AdamW):
 
     def _table(self, params, grads, moments, copies) -> torch.Tensor:
         """The kernel's tensor table on the parameters' device, made once per set of
-        addresses (gradients move between steps unless the step is a graph's replay)."""
-        key = tuple(t.data_ptr() for t in (*params, *grads))
+        addresses (gradients move between steps unless the step is a graph's replay;
+        moments, when a checkpoint is loaded)."""
+        key = tuple(t.data_ptr() for t in (*params, *grads, *moments[0], *moments[1],
+                                           *(copies or ())))
         table = self._tables.get(key)
         if table is None:
             rows = torch.tensor(kernel.tensor_table(params, grads, *moments, copies),

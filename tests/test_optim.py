@@ -149,3 +149,34 @@ def test_a_published_copy_goes_with_its_parameter():
     assert all(i in casts._PUBLISHED for i in ids)
     del mine, opt, ref, opt_ref
     assert not any(i in casts._PUBLISHED for i in ids)
+
+
+def test_a_closure_makes_the_gradients_first():
+    """As Lightning steps: the gradients exist only once the closure has run."""
+    mine, opt, ref, opt_ref = _pair()
+    data = torch.randn(4, 37, device=DEVICE)
+
+    def loss_of(params):
+        return (data @ params[0]).square().sum() + sum(p.sum() for p in params[1:])
+
+    for params, optimizer in ((mine, opt), (ref, opt_ref)):
+        optimizer.zero_grad(set_to_none=True)
+
+        def closure(params=params):
+            loss = loss_of(params)
+            loss.backward()
+            return loss
+
+        optimizer.step(closure)
+    _close(mine, opt, ref, opt_ref)
+    assert all(casts._prepared_copy(p, torch.bfloat16) is not None for p in mine)
+
+
+def test_a_zero_beta_steps_through_torch():
+    mine, opt, ref, _ = _pair(betas=(0.0, 0.999))
+    opt_ref = torch.optim.AdamW([{"params": ref[:2], "weight_decay": 0.1},
+                                 {"params": ref[2:], "weight_decay": 0.0}], lr=1e-2,
+                                betas=(0.0, 0.999), foreach=False)
+    _step_both(mine, opt, ref, opt_ref, 0)
+    for p, r in zip(mine, ref):
+        torch.testing.assert_close(p, r, rtol=1e-6, atol=1e-6)
