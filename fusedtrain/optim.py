@@ -18,8 +18,9 @@ from fusedtrain import casts
 from fusedtrain.kernels import INTERPRET
 from fusedtrain.kernels import adamw as kernel
 
-# Tables kept per optimizer (one per set of gradient addresses seen lately): a captured
-# step re-copies its table from the host buffer it was made from, which must outlive it.
+# Tables kept per optimizer, one per set of addresses seen lately; those made while a
+# CUDA graph was captured are kept for good: a replay re-copies its table from the pinned
+# host buffer it was made from.
 _TABLES_KEPT = 8
 
 
@@ -56,6 +57,7 @@ class AdamW(torch.optim.AdamW):
         self._chunks: dict[tuple, torch.Tensor] = {}
         self._copies: dict[int, torch.Tensor] = {}
         self._fitting: tuple | None = None  # the parameters' addresses when they last fit
+        self._captured: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def _runs_here(self) -> bool:
         """Whether every group steps through the kernel (see the class docstring)."""
@@ -138,6 +140,8 @@ class AdamW(torch.optim.AdamW):
                 rows = rows.pin_memory()
             table = (rows, rows.to(params[0].device, non_blocking=True))
             self._tables[key] = table
+            if params[0].is_cuda and torch.cuda.is_current_stream_capturing():
+                self._captured.append(table)  # its graph re-copies it on every replay
             if len(self._tables) > _TABLES_KEPT:
                 self._tables.popitem(last=False)
         return table[1]
