@@ -54,7 +54,7 @@ class AdamW(torch.optim.AdamW):
                 group["capturable"] = all(p.is_cuda for p in group["params"])
         self.copy_dtype = copy_dtype
         self._tables: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
-        self._chunks: dict[tuple, torch.Tensor] = {}
+        self._chunks: dict[tuple, torch.Tensor] = {}  # (device, numels) -> chunk table
         self._copies: dict[int, torch.Tensor] = {}
         self._fitting: tuple | None = None  # the parameters' addresses when they last fit
         self._captured: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -83,6 +83,7 @@ class AdamW(torch.optim.AdamW):
         if key != self._fitting:
             fit = all(p.dtype == torch.float32 and p.is_contiguous() and p.data_ptr() % 16 == 0
                       and (p.is_cuda or (INTERPRET and p.device.type == "cpu"))
+                      and p.device == group["params"][0].device  # one table per group
                       for group in self.param_groups for p in group["params"])
             self._fitting = key if fit else None
         return self._fitting is not None
@@ -153,9 +154,10 @@ class AdamW(torch.optim.AdamW):
                    [self.state[p]["exp_avg_sq"] for p in params])
         copies = [self._copy(p) for p in params] if self.copy_dtype is not None else None
         numels = tuple(p.numel() for p in params)
-        chunks = self._chunks.get(numels)
+        chunks = self._chunks.get((params[0].device, numels))
         if chunks is None:
-            chunks = self._chunks[numels] = kernel.chunk_table(list(numels), params[0].device)
+            chunks = kernel.chunk_table(list(numels), params[0].device)
+            self._chunks[(params[0].device, numels)] = chunks
         step.add_(1)
         beta1, beta2 = group["betas"]
         kernel.adamw_step(self._table(params, grads, moments, copies), chunks, step,
