@@ -22,8 +22,10 @@ TRAIN = [sys.executable, str(ROOT / "scripts" / "train.py")]
 def _run(args, tmp_path, timeout=600, prefix=None):
     cmd = (prefix or TRAIN) + [f"data.cache_dir={tmp_path / 'cache'}", "data.max_files=20",
                                "fused=false", *args]
+    # MKL_CBWR: MKL's matmuls give the same bits whatever their buffers' alignment, which a
+    # resumed run's differ in (a resume once ended 1 ulp off the uninterrupted run's loss).
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=tmp_path,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                          env={**os.environ, "PYTHONUNBUFFERED": "1", "MKL_CBWR": "COMPATIBLE"})
 
 
 def _final_loss(run_dir):
