@@ -74,7 +74,11 @@ def publish_copies(params: list[torch.Tensor], copies: list[torch.Tensor]) -> No
     """copies[i] holds params[i] cast to copies[i].dtype, as of now."""
     for p, c in zip(params, copies):
         key = id(p)  # the entry goes with its parameter
-        ref = weakref.ref(p, lambda _, key=key: _PUBLISHED.pop(key, None))
+        entry = _PUBLISHED.get(key)
+        if entry is not None and entry[0]() is p:  # republished each step: keep its ref
+            ref = entry[0]
+        else:
+            ref = weakref.ref(p, lambda _, key=key: _PUBLISHED.pop(key, None))
         _PUBLISHED[key] = (ref, c, p._version, p.data_ptr())
 
 
