@@ -365,6 +365,32 @@ def test_gpu_bf16_accuracy(M, K, N, approximate):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_packed_gelu_within_eager_error_over_a_wide_range(dtype):
+    """The tanh form's packed 16-bit GELU (the forward's epilogue and dW2's recomputed
+    operand on a GPU) against the fp64 oracle, with pre-activations spread over about
+    [-12, 12], the far negative tail included, where h/2 + h/2 tanh z cancels; then very
+    large ones. M = 1151 leaves a partial tile."""
+    M, K, N = 1151, 768, 3072
+    x = torch.randn(M, K, device="cuda")
+    w1, b1 = torch.randn(N, K, device="cuda") * 3 / K ** 0.5, torch.randn(N, device="cuda") * 3
+    w2, b2 = torch.randn(K, N, device="cuda") / N ** 0.5, torch.randn(K, device="cuda")
+    inputs = [t.to(dtype).requires_grad_() for t in (x, w1, b1, w2, b2)]
+    check_against_oracle(lambda *a: ops.fused_mlp(*a, "tanh"),
+                         lambda *a: eager.fused_mlp(*a, "tanh"), inputs, 1e-2, 1e-2, "mlp")
+    check_against_oracle(lambda *a: ops.linear_gelu(*a, "tanh"),
+                         lambda *a: eager.linear_gelu(*a, "tanh"), inputs[:3], 1e-2, 1e-2,
+                         "linear_gelu")
+    # One row of pre-activations near +-1000 (h^2 past fp16's largest value): gelu(h) is
+    # h or 0 there, finite.
+    x[0] = 400 / K ** 0.5 * w1[0].sign()
+    inputs = [t.to(dtype).requires_grad_() for t in (x, w1, b1)]
+    check_against_oracle(lambda *a: ops.linear_gelu(*a, "tanh"),
+                         lambda *a: eager.linear_gelu(*a, "tanh"), inputs, 1e-2, 1e-2,
+                         "linear_gelu, large h")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("M,K,N", [(1000, 72, 3000), (16384, 768, 3072), (129, 1000, 200),
                                    (1, 64, 136)])
 @pytest.mark.parametrize("approximate,bias", [("tanh", True), ("none", False)])

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from fusedtrain.kernels import INTERPRET
-from fusedtrain.kernels._common import device_fn, gelu, grouped_tile, sm_count
+from fusedtrain.kernels._common import device_fn, gelu_operand, grouped_tile, sm_count
 
 
 @dataclass(frozen=True)
@@ -193,7 +193,8 @@ def tma_matmul(a_desc, b_desc, off_m, off_n, k_start, k_len,
 
     A_TRANS: a_desc is over A.T, stored (K, M) (e.g. dy read as dy.T); B_TRANS: b_desc is
     over B.T, stored (N, K) (a weight W for x @ W.T). A_GELU: multiply gelu(A), recomputed
-    in registers as each tile arrives, so gelu(A) never exists in memory. (On A, not B:
+    in registers as each tile arrives (_common.gelu_operand), so gelu(A) never exists in
+    memory. (On A, not B:
     Hopper's wgmma takes its A operand from registers, B only from shared memory, which
     a recomputed B would have to be written back to.)
     """
@@ -202,7 +203,7 @@ def tma_matmul(a_desc, b_desc, off_m, off_n, k_start, k_len,
         a = tl.trans(a_desc.load([k, off_m])) if A_TRANS else a_desc.load([off_m, k])
         b = tl.trans(b_desc.load([off_n, k])) if B_TRANS else b_desc.load([k, off_n])
         if A_GELU:
-            a = gelu(a.to(ACC), APPROX).to(b.dtype)
+            a = gelu_operand(a, APPROX, ACC)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
     return acc
 
