@@ -211,33 +211,6 @@ def operand_gelu_mode(mode: int) -> int:
     return PACKED_TANH.value if mode == FAST_TANH.value else mode
 
 
-# 2**x of fp32 values two at a time: rounded to a pair of fp16, one packed ex2, widened
-# back: half the special-function instructions of ex2.approx.f32, which bound a D = 64
-# attention's softmax as much as its MMAs do.
-_EXP2_F16X2 = tl.constexpr("""{
-.reg .b32 t;
-.reg .f16 lo, hi;
-cvt.rn.f16x2.f32 t, $3, $2;
-ex2.approx.f16x2 t, t;
-mov.b32 {lo, hi}, t;
-cvt.f32.f16 $0, lo;
-cvt.f32.f16 $1, hi;
-}""")
-
-
-@device_fn
-def softmax_exp2(x, PACKED: tl.constexpr):
-    """2**x for softmax probabilities (x <= 0 once the row's maximum or log-sum-exp is
-    subtracted; -inf gives 0). PACKED (GPU, for probabilities that are rounded to 16 bits
-    for their MMA anyway): through fp16 pairs, whose argument rounding (2**-11 of |x|)
-    moves p = 2**x by at most about |x| p / 2**11.5, below a bf16 rounding of p wherever
-    p is not negligible; otherwise fp32's exp2."""
-    if PACKED:
-        return tl.inline_asm_elementwise(_EXP2_F16X2, "=f,=f,f,f", [x], dtype=tl.float32,
-                                         is_pure=True, pack=2)
-    return tl.exp2(x)
-
-
 @device_fn
 def gelu_grad(h, APPROX: tl.constexpr):
     """d gelu(h) / dh, recomputed from the pre-activation h."""

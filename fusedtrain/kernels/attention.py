@@ -34,7 +34,6 @@ import torch
 import triton
 import triton.language as tl
 
-from fusedtrain.kernels import INTERPRET
 from fusedtrain.kernels._common import (
     autotune,
     cdiv,
@@ -43,7 +42,6 @@ from fusedtrain.kernels._common import (
     l2_cache_bytes,
     row_max,
     row_sum,
-    softmax_exp2,
     stat_dtype,
 )
 from fusedtrain.kernels._tma import enable_device_descriptors, matrix_desc, tma_ok
@@ -137,8 +135,7 @@ def _slice_base(ptr, bh, H, s_b, s_h):
 def _fwd_blocks(acc, l_i, m_i, q, k_src, v_src, offs_m, offs_d, d_ok, T, qk_scale,
                 s_kt, s_kd, s_vt, s_vd, blk_lo, blk_hi,
                 MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
-                ACC: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
-                PACKED_EXP: tl.constexpr):
+                ACC: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr):
     """Online-softmax accumulation over key blocks [blk_lo, blk_hi)."""
     for blk in range(blk_lo, blk_hi):
         offs_n = blk * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -152,7 +149,7 @@ def _fwd_blocks(acc, l_i, m_i, q, k_src, v_src, offs_m, offs_d, d_ok, T, qk_scal
             s = tl.where(_visible(offs_m, offs_n, T, CAUSAL), s, float("-inf"))
         m_new = tl.maximum(m_i, row_max(s, 1) * qk_scale)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all-masked rows stay finite
-        p = softmax_exp2(s * qk_scale - m_safe[:, None], PACKED_EXP)
+        p = tl.exp2(s * qk_scale - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + row_sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION,
@@ -202,7 +199,7 @@ def _attn_fwd_kernel(
     s_qb, s_qh, s_qt, s_qd, s_kb, s_kh, s_kt, s_kd, s_vb, s_vh, s_vt, s_vd,
     s_ob, s_oh, s_ot, s_od,
     CAUSAL: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr, BLOCK_D: tl.constexpr,
-    TMA: tl.constexpr, PACKED_EXP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     bh, block = _schedule(cdiv(T, BLOCK_M), BH, GROUP, False)
     start_m = block * BLOCK_M
@@ -218,10 +215,10 @@ def _attn_fwd_kernel(
     full, last = _key_block_ranges(start_m, T, CAUSAL, BLOCK_M, BLOCK_N)
     acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_src, v_src, offs_m, offs_d, d_ok, T,
                                 qk_scale, s_kt, s_kd, s_vt, s_vd, 0, full,
-                                False, CAUSAL, BLOCK_N, ACC, PRECISION, TMA, PACKED_EXP)
+                                False, CAUSAL, BLOCK_N, ACC, PRECISION, TMA)
     acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_src, v_src, offs_m, offs_d, d_ok, T,
                                 qk_scale, s_kt, s_kd, s_vt, s_vd, full, last,
-                                True, CAUSAL, BLOCK_N, ACC, PRECISION, TMA, PACKED_EXP)
+                                True, CAUSAL, BLOCK_N, ACC, PRECISION, TMA)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     o_base = _slice_base(o_ptr, bh, H, s_ob, s_oh)
     _store_rows(o_base, acc / l_safe[:, None], offs_m, offs_d, s_ot, s_od, m_ok, d_ok)
@@ -232,8 +229,7 @@ def _attn_fwd_kernel(
 def _dkdv_blocks(dk, dv, k, v, q_src, do_src, lse_base, delta_base, offs_n, offs_d, d_ok, T,
                  qk_scale, s_qt, s_qd, s_gt, s_gd, blk_lo, blk_hi,
                  MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
-                 ACC: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
-                 PACKED_EXP: tl.constexpr):
+                 ACC: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr):
     """Accumulate dK, dV of one key block over query blocks [blk_lo, blk_hi); works on
     transposed scores sT = k q^T so that dv += pT @ dO and dk += dsT @ q need no transposes
     of the accumulators."""
@@ -245,7 +241,7 @@ def _dkdv_blocks(dk, dv, k, v, q_src, do_src, lse_base, delta_base, offs_n, offs
         lse = tl.load(lse_base + offs_m, mask=m_ok, other=0.0)
         delta = tl.load(delta_base + offs_m, mask=m_ok, other=0.0)
         sT = tl.dot(k, tl.trans(q), input_precision=PRECISION, out_dtype=ACC) * qk_scale
-        pT = softmax_exp2(sT - lse[None, :], PACKED_EXP)
+        pT = tl.exp2(sT - lse[None, :])
         if MASKED:
             pT = tl.where(tl.trans(_visible(offs_m, offs_n, T, CAUSAL)), pT, 0.0)
         dv += tl.dot(pT.to(do.dtype), do, input_precision=PRECISION, out_dtype=ACC)
@@ -278,7 +274,7 @@ def _attn_bwd_dkdv_kernel(
     s_qb, s_qh, s_qt, s_qd, s_kb, s_kh, s_kt, s_kd, s_vb, s_vh, s_vt, s_vd,
     s_gb, s_gh, s_gt, s_gd, s_db, s_dh, s_dt, s_dd,
     CAUSAL: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr, BLOCK_D: tl.constexpr,
-    TMA: tl.constexpr, PACKED_EXP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     bh, block = _schedule(cdiv(T, BLOCK_N), BH, GROUP, True)
     start_n = block * BLOCK_N
@@ -301,13 +297,13 @@ def _attn_bwd_dkdv_kernel(
     full = tl.maximum(diag, T // BLOCK_M)
     dk, dv = _dkdv_blocks(dk, dv, k, v, q_src, do_src, lse_base, delta_base, offs_n, offs_d,
                           d_ok, T, qk_scale, s_qt, s_qd, s_gt, s_gd, first, diag,
-                          True, CAUSAL, BLOCK_M, ACC, PRECISION, TMA, PACKED_EXP)
+                          True, CAUSAL, BLOCK_M, ACC, PRECISION, TMA)
     dk, dv = _dkdv_blocks(dk, dv, k, v, q_src, do_src, lse_base, delta_base, offs_n, offs_d,
                           d_ok, T, qk_scale, s_qt, s_qd, s_gt, s_gd, diag, full,
-                          False, CAUSAL, BLOCK_M, ACC, PRECISION, TMA, PACKED_EXP)
+                          False, CAUSAL, BLOCK_M, ACC, PRECISION, TMA)
     dk, dv = _dkdv_blocks(dk, dv, k, v, q_src, do_src, lse_base, delta_base, offs_n, offs_d,
                           d_ok, T, qk_scale, s_qt, s_qd, s_gt, s_gd, full, n_q_blocks,
-                          True, CAUSAL, BLOCK_M, ACC, PRECISION, TMA, PACKED_EXP)
+                          True, CAUSAL, BLOCK_M, ACC, PRECISION, TMA)
     _store_rows(_slice_base(dk_ptr, bh, H, s_db, s_dh), dk * sm_scale, offs_n, offs_d, s_dt,
                 s_dd, n_ok, d_ok)
     _store_rows(_slice_base(dv_ptr, bh, H, s_db, s_dh), dv, offs_n, offs_d, s_dt, s_dd, n_ok,
@@ -318,15 +314,14 @@ def _attn_bwd_dkdv_kernel(
 def _dq_blocks(dq, q, do, lse, delta, k_src, v_src, offs_m, offs_d, d_ok, T, qk_scale,
                s_kt, s_kd, s_vt, s_vd, blk_lo, blk_hi,
                MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
-               ACC: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
-               PACKED_EXP: tl.constexpr):
+               ACC: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr):
     for blk in range(blk_lo, blk_hi):
         offs_n = blk * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < T
         k = _load_tile(k_src, blk * BLOCK_N, offs_n, offs_d, s_kt, s_kd, n_ok, d_ok, TMA)
         v = _load_tile(v_src, blk * BLOCK_N, offs_n, offs_d, s_vt, s_vd, n_ok, d_ok, TMA)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION, out_dtype=ACC) * qk_scale
-        p = softmax_exp2(s - lse[:, None], PACKED_EXP)
+        p = tl.exp2(s - lse[:, None])
         if MASKED:
             p = tl.where(_visible(offs_m, offs_n, T, CAUSAL), p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION, out_dtype=ACC)
@@ -364,7 +359,7 @@ def _attn_bwd_dq_kernel(
     s_gb, s_gh, s_gt, s_gd, s_db, s_dh, s_dt, s_dd,
     o_ptr, s_ob, s_oh, s_ot, s_od,
     CAUSAL: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr, BLOCK_D: tl.constexpr,
-    TMA: tl.constexpr, PACKED_EXP: tl.constexpr, BIAS_SUMS: tl.constexpr, GRAIN: tl.constexpr,
+    TMA: tl.constexpr, BIAS_SUMS: tl.constexpr, GRAIN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     bh, block = _schedule(cdiv(T, BLOCK_M), BH, GROUP, False)
@@ -396,11 +391,9 @@ def _attn_bwd_dq_kernel(
     dq = tl.full((BLOCK_M, BLOCK_D), 0.0, ACC)
     full, last = _key_block_ranges(start_m, T, CAUSAL, BLOCK_M, BLOCK_N)
     dq = _dq_blocks(dq, q, do, lse, delta, k_src, v_src, offs_m, offs_d, d_ok, T, qk_scale,
-                    s_kt, s_kd, s_vt, s_vd, 0, full, False, CAUSAL, BLOCK_N, ACC, PRECISION, TMA,
-                    PACKED_EXP)
+                    s_kt, s_kd, s_vt, s_vd, 0, full, False, CAUSAL, BLOCK_N, ACC, PRECISION, TMA)
     dq = _dq_blocks(dq, q, do, lse, delta, k_src, v_src, offs_m, offs_d, d_ok, T, qk_scale,
-                    s_kt, s_kd, s_vt, s_vd, full, last, True, CAUSAL, BLOCK_N, ACC, PRECISION, TMA,
-                    PACKED_EXP)
+                    s_kt, s_kd, s_vt, s_vd, full, last, True, CAUSAL, BLOCK_N, ACC, PRECISION, TMA)
     dq = dq * sm_scale
     _store_rows(_slice_base(dq_ptr, bh, H, s_db, s_dh), dq, offs_m, offs_d, s_dt, s_dd, m_ok,
                 d_ok)
@@ -420,12 +413,6 @@ def _loads_through_tma(*operands: torch.Tensor) -> bool:
     if use:
         enable_device_descriptors()
     return use
-
-
-def packed_exp(q: torch.Tensor) -> bool:
-    """Whether the softmax's exponentials go through fp16 pairs (_common.softmax_exp2): for
-    16-bit inputs on a GPU, whose probabilities the P @ V and dS products round to 16 bits."""
-    return q.element_size() == 2 and not INTERPRET
 
 
 def _heads_per_group(q: torch.Tensor, causal: bool) -> int:
@@ -469,7 +456,7 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
         _heads_per_group(q, causal),
         *q.stride(), *k.stride(), *v.stride(), *o.stride(),
         CAUSAL=causal, ACC=acc, PRECISION=dot_precision(q), BLOCK_D=block_d,
-        TMA=_loads_through_tma(k, v), PACKED_EXP=packed_exp(q),
+        TMA=_loads_through_tma(k, v),
     )
     return o, lse
 
@@ -513,7 +500,7 @@ def attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
             _heads_per_group(q, causal),
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride())
     meta = dict(CAUSAL=causal, ACC=acc, PRECISION=dot_precision(q), BLOCK_D=block_d,
-                TMA=_loads_through_tma(q, k, v, do), PACKED_EXP=packed_exp(q))
+                TMA=_loads_through_tma(q, k, v, do))
     _attn_bwd_dq_kernel[_grid("BLOCK_M", T, B * H)](
         q, k, v, do, lse, delta, dq, parts, *args, o, *o.stride(), BIAS_SUMS=bias_sums,
         GRAIN=BIAS_GRAIN, **meta)
