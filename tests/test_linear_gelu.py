@@ -8,7 +8,15 @@ from conftest import check_against_oracle, grads_of
 from torch.autograd import gradcheck
 
 from fusedtrain import eager, ops
-from fusedtrain.kernels._common import FAST_ERF, FAST_TANH, gelu, gelu_grad, gelu_mode
+from fusedtrain.kernels._common import (
+    FAST_ERF,
+    FAST_TANH,
+    PACKED_TANH,
+    gelu,
+    gelu_grad,
+    gelu_mode,
+    gelu_operand,
+)
 
 F64 = torch.float64
 
@@ -159,6 +167,31 @@ def test_tanh_gelu_and_its_derivative_against_fp64(approx, device, tol):
     assert ((y - y_ref).abs() / scale).max() < tol
     assert ((dh - dh_ref).abs() / scale).max() < tol
     assert torch.isfinite(y).all() and torch.isfinite(dh).all()
+
+
+@triton.jit
+def _gelu_operand_kernel(h_ptr, y_ptr, n, APPROX: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    h = tl.load(h_ptr + offs, mask=offs < n)
+    tl.store(y_ptr + offs, gelu_operand(h, APPROX, tl.float32), mask=offs < n)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,ulps", [(torch.bfloat16, 2), (torch.float16, 3)])
+def test_gpu_packed_tanh_gelu_against_fp64(dtype, ulps):
+    """PACKED_TANH (16-bit pairs) against the tanh form in fp64 on the 16-bit values of
+    [-12, 12] and beyond fp16's h^2 range: within `ulps` units in the last place of the
+    format at max(|h|, 1) (the far negative tail's h/2 + h/2 tanh z cancels to an absolute
+    error of that size), and exact where gelu(h) rounds to h or to 0."""
+    h = torch.cat([_GELU_RANGE, torch.tensor([-1000.0, 300.0, 1000.0])]).to(dtype).cuda()
+    y = torch.empty_like(h)
+    _gelu_operand_kernel[(1,)](h, y, h.numel(), APPROX=PACKED_TANH.value, BLOCK=4096)
+    h64, y = h.cpu().double(), y.cpu().double()
+    y_ref = 0.5 * h64 * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (h64 + 0.044715 * h64 ** 3)))
+    ulp = torch.finfo(dtype).eps * h64.abs().clamp(min=1)
+    assert ((y - y_ref).abs() / ulp).max() <= ulps
+    big = h64.abs() >= 12
+    assert torch.equal(y[big], torch.where(h64[big] > 0, h64[big], 0.0))
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
