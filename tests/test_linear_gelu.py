@@ -414,8 +414,8 @@ def test_gpu_packed_gelu_within_eager_error_over_a_wide_range(dtype):
     check_against_oracle(lambda *a: ops.linear_gelu(*a, "tanh"),
                          lambda *a: eager.linear_gelu(*a, "tanh"), inputs[:3], 1e-2, 1e-2,
                          "linear_gelu")
-    # One row of pre-activations near +-1000 (h^2 past fp16's largest value): gelu(h) is
-    # h or 0 there, finite.
+    # One row whose pre-activations reach about 1000 (h^2 past fp16's largest value):
+    # gelu(h) is h or 0 there, finite.
     x[0] = 400 / K ** 0.5 * w1[0].sign()
     inputs = [t.to(dtype).requires_grad_() for t in (x, w1, b1)]
     check_against_oracle(lambda *a: ops.linear_gelu(*a, "tanh"),
