@@ -262,7 +262,7 @@ def matmul_acc(acc, a_ptr, b_ptr, a_rows, b_cols, rows_ok, cols_ok,
         b = tl.load(b_ptr + o * s_b_outer + k[:, None] * s_b_inner + b_cols[None, :],
                     mask=k_ok[:, None] & cols_ok[None, :], other=0.0)
         if B_GELU:
-            b = gelu(b.to(acc.dtype), APPROX).to(a.dtype)
+            b = gelu_operand(b, APPROX, acc.dtype)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
     return acc
 
