@@ -158,7 +158,7 @@ def compile_ws(name: str, constexprs: dict, vocab: int = CE_VOCABS[0]):
     from fusedtrain.kernels import _ws
 
     module, kernel, pointers = WS_KERNELS[name]
-    fn = getattr(importlib.import_module(f"fusedtrain.kernels.{module}"), kernel)
+    fn = jit_function(getattr(importlib.import_module(f"fusedtrain.kernels.{module}"), kernel))
     options = {"num_warps": 4, "maxnreg": _ws._MAXNREG}
     if module == "cross_entropy_smem":
         shape = ce_shape(vocab)

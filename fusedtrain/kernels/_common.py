@@ -21,6 +21,7 @@ import triton.language as tl
 import triton.testing
 
 from fusedtrain.kernels import INTERPRET
+from fusedtrain.kernels._launch import fast_launch
 
 INV_SQRT2 = tl.constexpr(0.7071067811865476)
 INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
@@ -349,11 +350,13 @@ def graph_timed(kernel_call: Callable, quantiles: tuple[float, ...]) -> list[flo
 
 def cached_autotune(configs: list[triton.Config], key: list[str], prune: Callable, **kwargs):
     """triton.autotune over the configs `prune(configs, named_args, **constexprs)` keeps,
-    its choice cached on disk where this Triton supports it."""
+    its choice cached on disk where this Triton supports it; launched through
+    _launch.fast_launch."""
     if "cache_results" in inspect.signature(triton.autotune).parameters:
         kwargs.setdefault("cache_results", True)
-    return triton.autotune(configs=configs, key=key,
+    tune = triton.autotune(configs=configs, key=key,
                            prune_configs_by={"early_config_prune": prune}, **kwargs)
+    return lambda kernel: fast_launch(tune(kernel))
 
 
 @device_fn

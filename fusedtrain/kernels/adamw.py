@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from fusedtrain.kernels import INTERPRET
+from fusedtrain.kernels._launch import fast_launch
 
 # Elements a program updates (several BLOCK sweeps) and a sweep's width, at 4 warps: on an
 # H200 938 us for GPT-2's 124M parameters with their copies, against 1099 us at 32768 / 2048
@@ -61,6 +62,7 @@ def _update(p_ptr, g_ptr, m_ptr, v_ptr, copy_ptr, offs, mask, beta1, beta2, eps,
         tl.store(copy_ptr + offs, p.to(COPY_DTYPE, fp_downcast_rounding="rtne"), mask=mask)
 
 
+@fast_launch
 @triton.jit
 def _adamw_kernel(table_ptr, chunk_ptr, step_ptr, lr, beta1, beta2, log2_beta1, log2_beta2,
                   eps, weight_decay, COPY: tl.constexpr, COPY_DTYPE: tl.constexpr,

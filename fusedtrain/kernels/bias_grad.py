@@ -22,6 +22,7 @@ import triton.language as tl
 
 from fusedtrain.kernels import INTERPRET
 from fusedtrain.kernels._common import acc_dtype, device_fn, row_sum, sm_count, stat_dtype
+from fusedtrain.kernels._launch import fast_launch
 
 # A (BLOCK_M, BLOCK_N) tile of 8K elements, 32 per thread at 8 warps: 16 KB of bf16 per
 # load, enough in flight with the loop's loads issued three tiles ahead.
@@ -39,6 +40,7 @@ def store_column_sums(part_ptr, row, cols, N, tile):
              row_sum(tile, 0).to(part_ptr.dtype.element_ty), mask=cols < N)
 
 
+@fast_launch
 @triton.jit
 def _column_sums_kernel(g_ptr, part_ptr, M, N, s_gm, ACC: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):

@@ -26,6 +26,7 @@ import triton.language as tl
 
 from fusedtrain.kernels import INTERPRET
 from fusedtrain.kernels._common import acc_dtype, device_fn, row_max, row_sum, stat_dtype
+from fusedtrain.kernels._launch import fast_launch
 from fusedtrain.kernels._tma import ws_ok
 
 BLOCK_V = 1024 if INTERPRET else 4096
@@ -77,6 +78,7 @@ def _store_row_grad(src, dst, V, cols, target, lse, g, ACC: tl.constexpr,
         tl.store(dst + idx, d.to(dst.dtype.element_ty), mask=ok)
 
 
+@fast_launch
 @triton.jit
 def _ce_fwd_kernel(logits_ptr, target_ptr, loss_ptr, lse_ptr, V, s_row, ignore_index,
                    ACC: tl.constexpr, BLOCK_V: tl.constexpr):
@@ -87,6 +89,7 @@ def _ce_fwd_kernel(logits_ptr, target_ptr, loss_ptr, lse_ptr, V, s_row, ignore_i
                     ignore_index)
 
 
+@fast_launch
 @triton.jit
 def _ce_bwd_kernel(logits_ptr, target_ptr, lse_ptr, g_ptr, dlogits_ptr, V, s_row, s_drow,
                    ignore_index, ACC: tl.constexpr, BLOCK_V: tl.constexpr):
@@ -98,6 +101,7 @@ def _ce_bwd_kernel(logits_ptr, target_ptr, lse_ptr, g_ptr, dlogits_ptr, V, s_row
                     tl.arange(0, BLOCK_V), target, tl.load(lse_ptr + row), g, ACC, BLOCK_V)
 
 
+@fast_launch
 @triton.jit
 def _scale_kernel(x_ptr, s_ptr, y_ptr, n, ACC: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)

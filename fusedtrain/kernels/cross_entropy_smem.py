@@ -26,6 +26,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 from fusedtrain.kernels._common import sm_count
+from fusedtrain.kernels._launch import fast_launch
 from fusedtrain.kernels._tma import enable_device_descriptors, ws_ok
 
 W = gl.constexpr(64)
@@ -77,6 +78,7 @@ def fits(logits: torch.Tensor) -> bool:
             and launch_shape(logits) is not None)
 
 
+@fast_launch
 @gluon.jit
 def _ce_smem_kernel(logits_ptr, target_ptr, count_ptr, loss_ptr, dlogits_ptr, M, V,
                     ignore_index, NB: gl.constexpr, BOX: gl.constexpr, WARPS: gl.constexpr):

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from fusedtrain.kernels._common import stat_dtype
+from fusedtrain.kernels._launch import fast_launch
 
 # 16 tokens x 256 columns a program: 4K elements, 16 per thread at 8 warps (each with its
 # own 64-bit address).
@@ -48,6 +49,7 @@ def _rows_at(base, rows, stride, cols):
     return base + rows[:, None] * stride + cols[None, :]
 
 
+@fast_launch
 @triton.jit
 def _embedding_fwd_kernel(idx_ptr, w_ptr, pos_ptr, x_ptr, N, C, T, V, s_w, s_pos, s_x,
                           POSITIONS: tl.constexpr, BLOCK_T: tl.constexpr,
@@ -60,6 +62,7 @@ def _embedding_fwd_kernel(idx_ptr, w_ptr, pos_ptr, x_ptr, N, C, T, V, s_w, s_pos
     tl.store(_rows_at(x_ptr, tokens, s_x, cols), x.to(x_ptr.dtype.element_ty), mask=mask)
 
 
+@fast_launch
 @triton.jit
 def _embedding_bwd_kernel(idx_ptr, dy_ptr, dw_ptr, dpos_ptr, N, C, T, V, s_dy, s_dw, s_dpos,
                           POSITIONS: tl.constexpr, BLOCK_T: tl.constexpr,

@@ -43,6 +43,7 @@ from fusedtrain.kernels._common import (
     stat_dtype,
     tile_ptrs,
 )
+from fusedtrain.kernels._launch import fast_launch
 from fusedtrain.kernels._tma import (
     TmaConfig,
     column_halves,
@@ -120,6 +121,7 @@ def _matmul_gelu_rhs_kernel(
              mask=mask)
 
 
+@fast_launch
 @triton.jit
 def _gelu_bwd_kernel(dy_ptr, h_ptr, dh_ptr, part_ptr, M, N, s_dym, s_hm, s_dhm,
                      COL_SUMS: tl.constexpr, APPROX: tl.constexpr, ACC: tl.constexpr,
@@ -153,6 +155,7 @@ def _bias_gelu_store(acc, off_m, off_n, b_ptr, y_desc, h_desc, N, HAS_BIAS: tl.c
     y_desc.store([off_m, off_n], gelu(acc, APPROX).to(y_desc.dtype))
 
 
+@fast_launch
 @triton.jit
 def _linear_gelu_fwd_tma_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, h_ptr, M, N, K, s_xm, s_wn, s_ym, s_hm,
@@ -188,6 +191,7 @@ def _dgelu_store(acc, off_m, off_n, h_desc, dh_desc, part_ptr, N, APPROX: tl.con
                           N, dh)
 
 
+@fast_launch
 @triton.jit
 def _matmul_dgelu_tma_kernel(
     dy_ptr, w_ptr, h_ptr, dh_ptr, part_ptr, M, N, K, s_dym, s_wk, s_hm, s_dhm,
@@ -226,6 +230,7 @@ def _gelu_rhs_piece(h_desc, dy_desc, c_desc, s, tile, k0, k_len, M, N,
         c_desc.store([s, off_m, off_n + BLOCK_M // 2], bottom.to(c_desc.dtype)[None, :, :])
 
 
+@fast_launch
 @triton.jit
 def _matmul_gelu_rhs_tma_kernel(
     h_ptr, dy_ptr, c_ptr, M, N, K, K_SPLIT, SPLITS, s_hk, s_dyk, s_cs, s_cm,

@@ -18,6 +18,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.language.core import _aggregate as aggregate
 
 from fusedtrain.kernels._common import PACKED_TANH, gelu, gelu_grad, gelu_operand
+from fusedtrain.kernels._launch import fast_launch
 from fusedtrain.kernels._ws import (
     BK,
     BM,
@@ -63,6 +64,7 @@ def _fwd_epilogue(e, acc, buf, bar, off_m, off_n, j):
     store_tile(e.y_desc, buf, y, off_m, off_n)
 
 
+@fast_launch
 @gluon.jit
 def _linear_gelu_fwd_ws_kernel(x_ptr, w_ptr, b_ptr, y_ptr, h_ptr, M, N, K, s_xm, s_wn, s_ym,
                                s_hm, HAS_BIAS: gl.constexpr, STORE_H: gl.constexpr,
@@ -110,6 +112,7 @@ def _dgelu_epilogue(e, acc, buf, bar, off_m, off_n, j):
     store_tile(e.dh_desc, buf, dh, off_m, off_n)
 
 
+@fast_launch
 @gluon.jit
 def _matmul_dgelu_ws_kernel(dy_ptr, w_ptr, h_ptr, dh_ptr, part_ptr, M, N, K, s_dym, s_wk, s_hm,
                             s_dhm, COL_SUMS: gl.constexpr, APPROX: gl.constexpr):

@@ -32,6 +32,7 @@ from fusedtrain.kernels._common import (
     matmul_acc,
     pick3,
 )
+from fusedtrain.kernels._launch import fast_launch
 from fusedtrain.kernels._tma import (
     TmaConfig,
     column_halves,
@@ -195,6 +196,7 @@ def _segment_tma(x_desc, w_desc, b_ptr, o_ptr, seg: tl.constexpr, M, C, T, H,
                            HAS_BIAS, HEAD_D)
 
 
+@fast_launch
 @triton.jit
 def _qkv_fwd_tma_kernel(
     x_ptr, w_ptr, b_ptr, q_ptr, k_ptr, v_ptr, M, C, T, H, D,
@@ -249,6 +251,7 @@ def _head_rows_matmul(acc, g_desc, w_desc, row0, T, D, w_row0, off_n, C,
     return acc
 
 
+@fast_launch
 @triton.jit
 def _qkv_dx_tma_kernel(
     dq_ptr, dk_ptr, dv_ptr, w_ptr, dx_ptr, M, C, T, H, D, s_w0, s_dxm,
@@ -299,6 +302,7 @@ def _segment_dw(g_desc, x_desc, dw_desc, seg: tl.constexpr, M, C, T, H, ACC: tl.
         dw_desc.store([seg * C + off_c, off_n + BLOCK_N // 2], right.to(dw_desc.dtype))
 
 
+@fast_launch
 @triton.jit
 def _qkv_dw_tma_kernel(
     dq_ptr, dk_ptr, dv_ptr, x_ptr, dw_ptr, M, C, T, H, s_xm, s_dw0,

@@ -13,6 +13,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import tma
 from triton.language.core import _aggregate as aggregate
 
+from fusedtrain.kernels._launch import fast_launch
 from fusedtrain.kernels._ws import (
     BK,
     BM,
@@ -68,6 +69,7 @@ def _head_epilogue(e, acc, buf, bar, off_m, off_n, j):
             tma.async_copy_shared_to_global(e.v_desc, [row + i * e.T, 0], head)
 
 
+@fast_launch
 @gluon.jit
 def _qkv_fwd_ws_kernel(x_ptr, w_ptr, b_ptr, q_ptr, k_ptr, v_ptr, M, C, T, H, s_xm, s_wn,
                        HAS_BIAS: gl.constexpr, HEAD_D: gl.constexpr):

@@ -1,0 +1,156 @@
+"""kernels._launch.FastLaunch: the shortcut to a compiled kernel is taken only for a
+specialisation and tuning key that triton has launched before, with triton's own
+arguments; everything else goes through triton. On the CPU with stand-ins for triton's
+JITFunction and Autotuner; on a GPU with the real kernels."""
+
+import pytest
+import torch
+from triton.runtime.autotuner import Autotuner
+
+from fusedtrain.kernels import _launch
+
+
+class _Compiled:
+    function, packed_metadata = "function", "metadata"
+
+    def __init__(self):
+        self.launches = []
+
+    def run(self, *args):
+        self.launches.append(args)
+
+
+class _Jit:
+    """What FastLaunch reads of a JITFunction: its binder (specialising ints by their
+    remainder mod 16, as triton's tells 16-divisible ones apart) and its launch."""
+
+    arg_names = ["x_ptr", "n", "BLOCK"]
+    pre_run_hooks: list = []
+
+    def __init__(self):
+        self.triton_calls = []
+        self.compiled = {}
+        self.device_caches = {0: (None, None, None, None, self._binder)}
+
+    @staticmethod
+    def _binder(x_ptr, n, BLOCK, **options):
+        bound = {"x_ptr": x_ptr, "n": n, "BLOCK": BLOCK}
+        return bound, [("*fp32", x_ptr % 16 == 0), ("i32", n % 16 == 0), ("constexpr", BLOCK)], \
+            options
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.triton_calls.append((grid, args, kwargs))
+            _, spec, options = self._binder(*args, **kwargs)
+            return self.compiled.setdefault((tuple(spec), tuple(options.items())), _Compiled())
+        return launch
+
+
+@pytest.fixture
+def enabled(monkeypatch):
+    monkeypatch.setattr(_launch, "ENABLED", True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(_launch, "_current_stream", lambda device: 7)
+
+
+def test_repeated_specialisation_skips_triton(enabled):
+    jit = _Jit()
+    kernel = _launch.fast_launch(jit)
+    kernel[(4,)](32, 64, BLOCK=128)  # first: through triton
+    assert len(jit.triton_calls) == 1
+    kernel[lambda meta: (meta["n"] // meta["BLOCK"], 2)](48, 256, BLOCK=128)  # same spec
+    assert len(jit.triton_calls) == 1
+    (compiled,) = jit.compiled.values()
+    assert compiled.launches == [(2, 2, 1, 7, "function", "metadata", None, None, None,
+                                  48, 256, 128)]
+    kernel[(4,)](32, 65, BLOCK=128)  # n no longer divisible by 16: a new specialisation
+    kernel[(4,)](32, 64, BLOCK=64)  # a new constexpr
+    kernel[(4,)](32, 64, BLOCK=128, num_warps=8)  # a new option
+    assert len(jit.triton_calls) == 4
+
+
+@pytest.mark.parametrize("blocker", ["disabled", "launch hook", "pre-run hook"])
+def test_triton_path_when_shortcut_is_unsafe(enabled, monkeypatch, blocker):
+    jit = _Jit()
+    kernel = _launch.fast_launch(jit)
+    if blocker == "disabled":
+        monkeypatch.setattr(_launch, "ENABLED", False)
+    elif blocker == "launch hook":
+        monkeypatch.setattr(_launch, "_launch_hooks", lambda: True)
+    else:
+        monkeypatch.setattr(jit, "pre_run_hooks", [print])
+    for _ in range(3):
+        kernel[(4,)](32, 64, BLOCK=128)
+    assert len(jit.triton_calls) == 3
+
+
+class _Tuner(Autotuner):
+    """An Autotuner over a _Jit keyed on n (without Autotuner's constructor, which wants
+    a real JITFunction); tuning picks the last config."""
+
+    def __init__(self, jit, configs):
+        self.fn, self.configs, self.keys, self.arg_names = jit, configs, ["n"], jit.arg_names
+        self.cache = {}
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.cache[(args[1],)] = self.configs[-1]
+            return self.fn[grid](*args, **kwargs, **self.configs[-1].all_kwargs())
+        return launch
+
+
+def test_autotuned_kernel_uses_the_tuners_choice(enabled):
+    import triton
+
+    jit = _Jit()
+    configs = [triton.Config({"BLOCK": b}, num_warps=w) for b, w in ((64, 4), (128, 8))]
+    tuner = _Tuner(jit, configs)
+    kernel = _launch.fast_launch(tuner)
+    kernel[(4,)](32, 64)  # not tuned yet: through the autotuner
+    kernel[(4,)](32, 64)  # tuned, but this specialisation not yet seen by the shortcut
+    kernel[(4,)](48, 64)  # shortcut
+    assert len(jit.triton_calls) == 2 and tuner.best_config is configs[-1]
+    (compiled,) = jit.compiled.values()
+    assert compiled.launches[-1][-3:] == (48, 64, 128)
+    kernel[(4,)](32, 80)  # another tuning key: the autotuner again
+    assert len(jit.triton_calls) == 3
+
+
+@pytest.mark.gpu
+def test_fast_launch_matches_triton_on_gpu(monkeypatch):
+    """LayerNorm's autotuned forward and the bias-gradient column sums (plain jit):
+    bit-identical results through the shortcut and through triton, and the repeated
+    calls do take the shortcut."""
+    from fusedtrain.kernels import bias_grad, layernorm
+
+    x = torch.randn(3000, 768, device="cuda", dtype=torch.bfloat16)
+    r = torch.randn(3000, 768, device="cuda")
+    w, b = torch.randn(768, device="cuda"), torch.randn(768, device="cuda")
+
+    def both():
+        y = layernorm.layer_norm_fwd(x, r, w, b, 1e-5, None, torch.bfloat16, torch.float32)
+        return [*y, bias_grad.bias_grad(x, torch.float32)]
+
+    monkeypatch.setattr(_launch, "ENABLED", False)
+    reference = both()
+    monkeypatch.setattr(_launch, "ENABLED", True)
+    both()  # compiled kernels recorded
+    calls = []
+    for kernel in (layernorm._ln_fwd_kernel, bias_grad._column_sums_kernel):
+        monkeypatch.setattr(kernel, "fn", _Spy(kernel.fn, calls))
+    for _ in range(2):
+        for got, want in zip(both(), reference):
+            assert torch.equal(got, want)
+    assert calls == []
+
+
+class _Spy:
+    def __init__(self, kernel, calls):
+        self.kernel, self.calls = kernel, calls
+
+    def __getattr__(self, name):
+        return getattr(self.kernel, name)
+
+    def __getitem__(self, grid):
+        self.calls.append(grid)
+        return self.kernel[grid]
