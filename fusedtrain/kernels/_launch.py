@@ -1,20 +1,23 @@
 """Kernel launches without most of triton's per-call host work.
 
-Why: `kernel[grid](...)` costs 68 us of host time on the lent H200 hosts for an autotuned
-kernel of 25 arguments (triton 3.6), 41 us without the autotuner, of which launching the
-compiled kernel is 12: the autotuner rebuilds its argument dicts and key on every call,
-and JITFunction.run reads knobs, hooks and globals before it gets there. A training step
-launches ~190 kernels, so without a CUDA graph its host time, not its GPU time, sets the
-pace (docs/perf-notes.md, twenty-fifth round).
+Why: `kernel[grid](...)` costs 55-69 us of host time on the lent H200 hosts for an
+autotuned kernel of 25 arguments (triton 3.6), 30-46 us without the autotuner, of which
+launching the compiled kernel is 9-13: the autotuner rebuilds its argument dicts and key
+on every call, and JITFunction.run reads knobs, hooks and globals before it gets there.
+A training step launches ~190 kernels, so without a CUDA graph its host time, not its GPU
+time, sets the pace. Through this shortcut a launch costs 33 us (docs/perf-notes.md,
+twenty-fifth round).
 
 `fast_launch(kernel)` wraps a @triton.jit or @gluon.jit kernel, or a triton.autotune over
 one. A call goes through triton as usual (compiling, tuning) until triton has launched its
 specialisation once; later calls with it go straight to that compiled kernel. The tuning
 choice is read from the autotuner's own cache under the autotuner's own key, and the
 specialisation is the kernel's own binder's (what triton keys its compiled kernels on:
-dtypes, 16-byte alignment, integers equal to 1 or divisible by 16, constexpr values), so
-the shortcut launches exactly what triton would have. Launch hooks (profilers), pre-run
-hooks and config pre-hooks send every call through triton; so does the interpreter.
+dtypes, 16-byte alignment, integers equal to 1 or divisible by 16 or past 32 bits,
+constexpr values, options), so the shortcut launches exactly what triton would have.
+Launch hooks (profilers), pre-run hooks and config pre-hooks send every call through
+triton; so does the interpreter. Keyword arguments must be hashable (constexprs and
+launch options are).
 """
 
 from __future__ import annotations
