@@ -129,6 +129,4 @@ def _launch_hooks() -> bool:
     return any(getattr(hook, "calls", hook) for hook in hooks)
 
 
-def fast_launch(kernel) -> FastLaunch:
-    """Decorator: see FastLaunch."""
-    return FastLaunch(kernel)
+fast_launch = FastLaunch  # as a decorator on a kernel or an autotuner over one
