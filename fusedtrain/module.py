@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import TQDMProgressBar
 
 from fusedtrain.model import GPT, GPTConfig
 from fusedtrain.ops import register_inductor_fallbacks
@@ -144,6 +145,9 @@ class GPTModule(L.LightningModule):
         # the graphed pieces are not registered as submodules (nor saved in checkpoints).
         self._graph: tuple[torch.Size, _GraphedLoss] | None = None
         self._pending_check: tuple[int, torch.Tensor, torch.cuda.Event | None] | None = None
+        # This rank's loss of the latest step whose check has been read (one step late),
+        # for the progress bar.
+        self.last_loss: float | None = None
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -154,7 +158,10 @@ class GPTModule(L.LightningModule):
         self._raise_if_non_finite(previous)
         # A graphed loss lives in the graph's output buffer, which the next step overwrites.
         logged = loss.detach().clone() if self._replayed else loss
-        self.log("train/loss", logged, prog_bar=True, sync_dist=True)  # mean over ranks
+        # For the loggers only (mean over ranks): Lightning reads every progress-bar metric
+        # logged as a tensor back from the GPU at the end of every step, which would make
+        # the host wait for the device each step. The bar shows last_loss (ProgressBar).
+        self.log("train/loss", logged, sync_dist=True)
         return loss
 
     def backward(self, loss: torch.Tensor, *args, **kwargs) -> None:
@@ -203,13 +210,15 @@ class GPTModule(L.LightningModule):
         done.record()
         return self.global_step, host, done
 
-    @staticmethod
-    def _raise_if_non_finite(check) -> None:
+    def _raise_if_non_finite(self, check) -> None:
+        """Read a queued check (keeping its loss as last_loss); raise if the loss was not
+        finite on some rank."""
         if check is None:
             return
         step, stats, done = check
         if done is not None:
             done.synchronize()
+        self.last_loss = stats[1].item()
         if stats[0] < 1:
             raise NonFiniteLossError(
                 f"non-finite training loss at step {step} (this rank's loss: "
@@ -320,7 +329,8 @@ class SaveOnInterrupt(L.Callback):
 
 class ThroughputMonitor(L.Callback):
     """Logs tokens/s over all devices (and per device, when there are several) and MFU
-    (per device, on a known GPU), each over the last `window` steps.
+    (per device, on a known GPU), each over the last `window` steps, to the loggers; the
+    latest values stay in `tokens_per_s` and `mfu` for ProgressBar.
 
     The first `skip_steps` steps (torch.compile, Triton autotuning, allocator
     warm-up) are left out of the rate. The device is synchronised only at window
@@ -348,11 +358,36 @@ class ThroughputMonitor(L.Callback):
         x = batch[0]
         tokens = (step - mark[1]) * trainer.accumulate_grad_batches * x.numel()
         self.tokens_per_s = tokens * trainer.world_size / (now - mark[0])
-        pl_module.log("tokens_per_s", self.tokens_per_s, prog_bar=True)  # all devices
+        pl_module.log("tokens_per_s", self.tokens_per_s)  # all devices
         if trainer.world_size > 1:
             pl_module.log("tokens_per_s_per_device", self.tokens_per_s / trainer.world_size)
         peak = peak_flops()
         if peak is not None:
             flops = pl_module.model.flops_per_token(x.shape[1]) * self.tokens_per_s
             self.mfu = flops / (peak[1] * trainer.world_size)
-            pl_module.log("mfu", self.mfu, prog_bar=True)
+            pl_module.log("mfu", self.mfu)
+
+
+class ProgressBar(TQDMProgressBar):
+    """Lightning's bar, showing values the host already holds: the training loss of the
+    last step whose finite check was read (GPTModule.last_loss, one step behind) and the
+    ThroughputMonitor's tokens/s and MFU. Metrics logged with `prog_bar=True` are tensors
+    that Lightning converts to numbers (`.item()`) at the end of every step, whatever the
+    refresh rate: a read from the GPU that makes the host wait for the device every step,
+    instead of issuing the next step while the GPU runs this one."""
+
+    def __init__(self, throughput: ThroughputMonitor | None = None, refresh_rate: int = 1):
+        super().__init__(refresh_rate=refresh_rate)
+        self.throughput = throughput
+
+    def get_metrics(self, trainer, pl_module) -> dict:
+        items = super().get_metrics(trainer, pl_module)
+        loss = getattr(pl_module, "last_loss", None)
+        if loss is not None:
+            items["loss"] = f"{loss:.4g}"
+        rate = self.throughput
+        if rate is not None and rate.tokens_per_s is not None:
+            items["tokens/s"] = f"{rate.tokens_per_s:.4g}"
+            if rate.mfu is not None:
+                items["mfu"] = f"{rate.mfu:.3f}"
+        return items

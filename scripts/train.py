@@ -11,7 +11,7 @@ import hydra
 import lightning as L
 import torch
 from hydra.core.hydra_config import HydraConfig
-from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from omegaconf import DictConfig, OmegaConf
 
@@ -19,7 +19,13 @@ from fusedtrain.checkpoint import CheckpointError, SafeCheckpointIO, load_checkp
 from fusedtrain.config import ConfigError, build_run_config
 from fusedtrain.data import DataError, TokenDataModule
 from fusedtrain.model import GPTConfig
-from fusedtrain.module import GPTModule, NonFiniteLossError, SaveOnInterrupt, ThroughputMonitor
+from fusedtrain.module import (
+    GPTModule,
+    NonFiniteLossError,
+    ProgressBar,
+    SaveOnInterrupt,
+    ThroughputMonitor,
+)
 
 log = logging.getLogger("fusedtrain")
 
@@ -130,9 +136,8 @@ def train(cfg: DictConfig) -> dict:
         loggers.append(TensorBoardLogger(run_dir, name="tensorboard", version=""))
     callbacks = [throughput, checkpoints, SaveOnInterrupt(str(ckpt_dir / "last.ckpt"))]
     if trainer_kwargs.get("enable_progress_bar", True):
-        # Redrawn every log interval, not every step: each redraw reads the logged loss
-        # back from the GPU, which would make the host wait for the device every step.
-        callbacks.append(TQDMProgressBar(refresh_rate=trainer_kwargs.get("log_every_n_steps", 10)))
+        callbacks.append(ProgressBar(throughput,
+                                     refresh_rate=trainer_kwargs.get("log_every_n_steps", 10)))
     trainer = L.Trainer(
         default_root_dir=run_dir, logger=loggers, callbacks=callbacks,
         plugins=[SafeCheckpointIO()], use_distributed_sampler=False,  # SkipSampler shards

@@ -152,3 +152,32 @@ def test_backward_runs_with_autograd_threads_as_configured(threads):
     assert seen == [threads]
     assert torch._C._is_multithreading_enabled()  # restored afterwards
     torch.testing.assert_close(x.grad, torch.full((3,), 2.0))
+
+
+def test_nothing_is_read_back_from_the_device_for_the_progress_bar_each_step(tmp_path):
+    """Lightning turns each metric logged with prog_bar=True into a number at every step's
+    end (a read from the GPU that stalls the host there): training logs none, and the bar
+    shows host values instead, the loss one step late and the rate with its MFU."""
+    import lightning as L
+
+    from fusedtrain.module import ProgressBar, ThroughputMonitor
+
+    cfg = GPTConfig(block_size=16, vocab_size=64, n_layer=1, n_head=2, n_embd=16,
+                    kernels={"mlp": False, "qkv": False, "attention": False,
+                             "layernorm": False, "cross_entropy": False, "embedding": False})
+    module = GPTModule(cfg, OptimConfig(), max_steps=6)
+    tokens = torch.randint(0, 64, (12, 17), generator=torch.Generator().manual_seed(0))
+    data = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=2)
+    throughput = ThroughputMonitor(skip_steps=1, window=2)
+    bar = ProgressBar(throughput, refresh_rate=1)
+    trainer = L.Trainer(max_steps=6, accelerator="cpu", logger=False,
+                        enable_checkpointing=False, callbacks=[throughput, bar],
+                        enable_model_summary=False)
+    trainer.fit(module, train_dataloaders=data)
+    assert trainer.progress_bar_metrics == {}
+    shown = bar.get_metrics(trainer, module)
+    assert float(shown["loss"]) == pytest.approx(module.last_loss, rel=1e-3)
+    assert 0 < module.last_loss < 10
+    assert float(shown["tokens/s"]) == pytest.approx(throughput.tokens_per_s, rel=1e-3)
+    assert {"train/loss", "tokens_per_s"} <= set(trainer.callback_metrics)  # still logged
