@@ -128,7 +128,7 @@ def main(argv=None) -> int:
 
         results = training.run_train(args, save)
         save(results)
-        training.plot_train(results, out / "train.png", json.dumps(info)[:150])
+        training.plot_train(results, out / "train.png", training.train_chart_title(info))
         return 0
     if not torch.cuda.is_available():
         print("bench.py kernels needs a CUDA GPU", file=sys.stderr)

@@ -363,7 +363,18 @@ def plot_parity(result: dict, path: Path, title: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def plot_train(results: dict, path: Path, title: str) -> None:
+def train_chart_title(info: dict) -> str:
+    """The chart's title from bench.py train's run description (its JSON's "env")."""
+    if "gpu" not in info:
+        return f"{info.get('model')}, B={info.get('batch')}, T={info.get('seq')}, CPU"
+    return (f"{info['model']}, B={info['batch']}, T={info['seq']}, {info['dtype']}, "
+            f"{info['steps']} timed steps; {info['gpu']}, torch {info['torch']}, "
+            f"triton {info['triton']}, {info['date']}")
+
+
+def plot_train(results: dict, path: Path, title: str, reference: str = "compile-sdpa") -> None:
+    """Bars of tokens/s (each labelled with its ratio to `reference` where that ran) and
+    peak memory per variant."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -371,8 +382,14 @@ def plot_train(results: dict, path: Path, title: str) -> None:
 
     names = [k for k, r in results.items() if "tokens_per_s" in r]
     fig, axes = plt.subplots(1, 2, figsize=(12, 0.4 * len(names) + 2), sharey=True)
-    axes[0].barh(names, [results[k]["tokens_per_s"] / 1e3 for k in names], color="C0")
-    axes[0].set_xlabel("tokens/s (thousands)")
+    rates = [results[k]["tokens_per_s"] / 1e3 for k in names]
+    axes[0].barh(names, rates, color="C0")
+    ref = results.get(reference, {}).get("tokens_per_s")
+    for i, rate in enumerate(rates):
+        label = f"{rate:.1f}k" + (f"  {rate * 1e3 / ref:.3f}x" if ref else "")
+        axes[0].text(rate, i, " " + label, va="center", fontsize=8)
+    axes[0].set_xlim(0, max(rates) * 1.35)
+    axes[0].set_xlabel("tokens/s (thousands)" + (f"; x: against {reference}" if ref else ""))
     axes[1].barh(names, [results[k]["peak_mem_GiB"] or 0 for k in names], color="C1")
     axes[1].set_xlabel("peak memory (GiB)")
     axes[0].invert_yaxis()
