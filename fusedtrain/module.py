@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import TQDMProgressBar
+from torch.utils._foreach_utils import _has_foreach_support
 
 from fusedtrain.model import GPT, GPTConfig
 from fusedtrain.ops import register_inductor_fallbacks
@@ -61,6 +62,22 @@ def lr_multiplier(step: int, warmup: int, total: int, min_ratio: float) -> float
         return (step + 1) / warmup
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+@torch.no_grad()
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_ (2-norm, foreach) in its own three operations where
+    every gradient has one device and dtype, the usual case: the same norms, coefficient
+    and products, bit for bit, without its Python per gradient (a `.to()` each, two
+    groupings by device and dtype), about half its host time for GPT-2's 148 parameters.
+    Anything else goes to torch's. Returns the total norm before clipping."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads or len({(g.device, g.dtype) for g in grads}) > 1 \
+            or not _has_foreach_support(grads, grads[0].device):
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)), 2.0)
+    torch._foreach_mul_(grads, torch.clamp(float(max_norm) / (total + 1e-6), max=1.0))
+    return total
 
 
 class NonFiniteLossError(RuntimeError):
@@ -148,6 +165,7 @@ class GPTModule(L.LightningModule):
         # This rank's loss of the latest step whose check has been read (one step late),
         # for the progress bar.
         self.last_loss: float | None = None
+        self._params: tuple[torch.nn.Parameter, ...] | None = None  # see clipping
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -270,11 +288,13 @@ class GPTModule(L.LightningModule):
             if isinstance(root, FullyShardedDataParallel):
                 root.clip_grad_norm_(gradient_clip_val)
                 return
-        grads = [p for p in self.parameters() if p.grad is not None]
+        if self._params is None:  # the module's parameters, walked once
+            self._params = tuple(self.parameters())
+        params = [p for p in self._params if p.grad is not None]
         if gradient_clip_algorithm == "value":
-            torch.nn.utils.clip_grad_value_(grads, gradient_clip_val)
+            torch.nn.utils.clip_grad_value_(params, gradient_clip_val)
         else:
-            torch.nn.utils.clip_grad_norm_(grads, gradient_clip_val)
+            clip_grad_norm(params, gradient_clip_val)
 
     def _fused_adamw(self) -> bool:
         """One fused kernel per parameter group on CUDA (foreach AdamW makes ~8 passes

@@ -181,3 +181,30 @@ def test_nothing_is_read_back_from_the_device_for_the_progress_bar_each_step(tmp
     assert 0 < module.last_loss < 10
     assert float(shown["tokens/s"]) == pytest.approx(throughput.tokens_per_s, rel=1e-3)
     assert {"train/loss", "tokens_per_s"} <= set(trainer.callback_metrics)  # still logged
+
+
+@pytest.mark.parametrize("scale", [1e3, 1e-3])  # clipped, and left alone
+def test_clip_grad_norm_matches_torch_bit_for_bit(scale):
+    from fusedtrain.module import clip_grad_norm
+
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(64, 16), (16,), (48, 16), (3,), (16, 64)]
+    ours = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    for a, b in zip(ours, theirs):
+        a.grad = torch.randn(a.shape, generator=gen) * scale
+        b.grad = a.grad.clone()
+    ours[1].grad = None  # parameters without a gradient are skipped
+    theirs[1].grad = None
+    total = clip_grad_norm(ours, 1.0)
+    expected = torch.nn.utils.clip_grad_norm_(theirs, 1.0)
+    assert torch.equal(total, expected)
+    for a, b in zip(ours, theirs):
+        assert (a.grad is None and b.grad is None) or torch.equal(a.grad, b.grad)
+    # Mixed dtypes go to torch's own function (one group per dtype).
+    mixed = [torch.nn.Parameter(torch.ones(4)),
+             torch.nn.Parameter(torch.ones(4, dtype=torch.float64))]
+    for p in mixed:
+        p.grad = torch.full_like(p, 3.0)
+    assert clip_grad_norm(mixed, 1.0).item() == pytest.approx(72 ** 0.5)  # eight 3s
+    assert all(torch.allclose(p.grad, torch.full_like(p, 3 / 72 ** 0.5)) for p in mixed)
