@@ -1,4 +1,5 @@
-"""GPTModule's own gradient clipping and optimizer choice (Lightning's are bypassed)."""
+"""GPTModule's own gradient clipping and optimizer choice (Lightning's are bypassed), its
+graphed and compiled steps, and what its training logs for the progress bar."""
 
 from types import SimpleNamespace
 
