@@ -11,7 +11,6 @@ from dataclasses import dataclass
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import TQDMProgressBar
-from torch.utils._foreach_utils import _has_foreach_support
 
 from fusedtrain.model import GPT, GPTConfig
 from fusedtrain.ops import register_inductor_fallbacks
@@ -64,6 +63,16 @@ def lr_multiplier(step: int, warmup: int, total: int, min_ratio: float) -> float
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def _foreach_supported(tensors: list[torch.Tensor]) -> bool:
+    """torch's own test for its foreach kernels (private: where a torch release lacks it,
+    clipping takes torch's public function instead of failing at import)."""
+    try:
+        from torch.utils._foreach_utils import _has_foreach_support
+    except ImportError:
+        return False
+    return _has_foreach_support(tensors, tensors[0].device)
+
+
 @torch.no_grad()
 def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
     """torch.nn.utils.clip_grad_norm_ (2-norm, foreach) in its own three operations where
@@ -74,7 +83,7 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
     torch's. Returns the total norm before clipping."""
     grads = [p.grad for p in params if p.grad is not None]
     if not grads or len({(g.device, g.dtype) for g in grads}) > 1 \
-            or not _has_foreach_support(grads, grads[0].device):
+            or not _foreach_supported(grads):
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
     total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)), 2.0)
     torch._foreach_mul_(grads, torch.clamp(float(max_norm) / (total + 1e-6), max=1.0))
