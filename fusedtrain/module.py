@@ -313,15 +313,19 @@ class GPTModule(L.LightningModule):
         on_cuda = all(p.is_cuda for p in self.model.parameters())
         return on_cuda and str(self.trainer.precision) != "16-mixed"
 
-    def _writes_weight_copies(self) -> bool:
-        """fusedtrain.optim.AdamW, which also writes the bf16 weights the fused ops read
-        next, where they read them: fused ops run uncompiled (Inductor makes its own
-        casts) under bf16 autocast on CUDA, unsharded (no copy of an FSDP shard is what
-        an op reads)."""
+    def _fusedtrain_adamw(self) -> tuple[bool, torch.dtype | None]:
+        """(whether the fused ops step with fusedtrain.optim.AdamW, the dtype of the weight
+        copies it writes). It does with fused ops on CUDA, unsharded (no copy of an FSDP
+        shard is what an op reads), and writes bf16 copies where the ops read them: run
+        uncompiled (Inductor makes its own casts) under bf16 autocast. Without copies its
+        kernel still beats AdamW(fused=True): 872 against 1006 us for GPT-2 on an H200
+        (docs/perf-notes.md, twenty-second round)."""
         sharded = "fsdp" in type(self.trainer.strategy).__name__.lower()
-        return (any(self.model.config.kernels.values()) and self._fused_adamw()
-                and not sharded and not self.compile
-                and str(self.trainer.precision) == "bf16-mixed")
+        if not (any(self.model.config.kernels.values()) and self._fused_adamw()
+                and not sharded):
+            return False, None
+        copies = not self.compile and str(self.trainer.precision) == "bf16-mixed"
+        return True, torch.bfloat16 if copies else None
 
     def configure_optimizers(self):
         o = self.optim_cfg
@@ -332,8 +336,9 @@ class GPTModule(L.LightningModule):
             (decay if name.endswith("weight") and "ln_" not in name else no_decay).append(p)
         groups = [{"params": decay, "weight_decay": o.weight_decay},
                   {"params": no_decay, "weight_decay": 0.0}]
-        if self._writes_weight_copies():
-            opt = AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), copy_dtype=torch.bfloat16)
+        ours, copy_dtype = self._fusedtrain_adamw()
+        if ours:
+            opt = AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), copy_dtype=copy_dtype)
         else:
             opt = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2),
                                     fused=self._fused_adamw())

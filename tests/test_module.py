@@ -8,6 +8,7 @@ import torch
 
 from fusedtrain.model import GPT, GPTConfig
 from fusedtrain.module import GPTModule, OptimConfig
+from fusedtrain.optim import AdamW
 
 
 def _module_with_grads(precision: str = "32-true") -> GPTModule:
@@ -49,6 +50,26 @@ def test_fused_adamw_only_on_cuda_and_never_under_fp16_scaling():
         assert module._fused_adamw()
         module.trainer.precision = "16-mixed"
         assert not module._fused_adamw()
+
+
+@pytest.mark.parametrize("kernels, compile, precision, expected", [
+    ({}, False, "bf16-mixed", (False, None)),  # eager ops: torch's AdamW
+    ({"mlp": True}, False, "bf16-mixed", (True, torch.bfloat16)),
+    ({"mlp": True}, True, "bf16-mixed", (True, None)),  # Inductor casts the weights itself
+    ({"mlp": True}, False, "32-true", (True, None)),
+])
+def test_fused_ops_step_with_fusedtrain_adamw_writing_copies_where_read(
+        monkeypatch, kernels, compile, precision, expected):
+    cfg = GPTConfig(block_size=16, vocab_size=64, n_layer=1, n_head=2, n_embd=16,
+                    kernels=kernels)
+    monkeypatch.setattr(torch, "compile", lambda fn, mode=None: fn)
+    module = GPTModule(cfg, OptimConfig(), max_steps=10, compile=compile)
+    module.trainer = SimpleNamespace(strategy=SimpleNamespace(model=module), precision=precision)
+    monkeypatch.setattr(module, "_fused_adamw", lambda: True)  # as on CUDA
+    assert module._fusedtrain_adamw() == expected
+    opt = module.configure_optimizers()["optimizer"]
+    assert isinstance(opt, AdamW) == expected[0]
+    assert getattr(opt, "copy_dtype", None) == expected[1]
 
 
 @pytest.mark.parametrize("layernorm", [False, True])
