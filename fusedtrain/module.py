@@ -74,19 +74,27 @@ def _foreach_supported(tensors: list[torch.Tensor]) -> bool:
 
 
 @torch.no_grad()
-def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float,
+                   optimizer: torch.optim.Optimizer | None = None) -> torch.Tensor:
     """torch.nn.utils.clip_grad_norm_ (2-norm, foreach) in its own three operations where
     every gradient has one device and dtype, the usual case: the same norms, coefficient
     and products, bit for bit, without its Python per gradient (a `.to()` each, two
     groupings by device and dtype): for GPT-2's 148 parameters (small CPU tensors, so that
     the Python shows) 0.6-0.8 ms a call against torch's 1.4-1.6. Anything else goes to
-    torch's. Returns the total norm before clipping."""
+    torch's. With fusedtrain's AdamW as `optimizer`, the products are its next step's:
+    it multiplies each gradient by the coefficient as it reads it (the same fp32 products;
+    the .grad tensors are left unclipped), which saves a pass over the gradients (0.28 ms
+    a GPT-2 step on an H200). Returns the total norm before clipping."""
     grads = [p.grad for p in params if p.grad is not None]
     if not grads or len({(g.device, g.dtype) for g in grads}) > 1 \
             or not _foreach_supported(grads):
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
     total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)), 2.0)
-    torch._foreach_mul_(grads, torch.clamp(float(max_norm) / (total + 1e-6), max=1.0))
+    coefficient = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+    if isinstance(optimizer, AdamW) and coefficient.dtype == torch.float32:
+        optimizer.scale_gradients_in_step(coefficient)
+    else:
+        torch._foreach_mul_(grads, coefficient)
     return total
 
 
@@ -109,13 +117,22 @@ class _Stage(torch.nn.Module):
 
 
 class _GraphedLoss:
-    """model.loss as a chain of CUDA graphs: the embedding, each block, the head and
-    loss. Each piece's backward is its own graph, so the gradients of a block reach
-    autograd (and DDP's all-reduce hooks) as soon as that block's backward has run,
-    while earlier blocks' backward graphs still replay: communication overlaps compute."""
+    """model.loss as CUDA graphs, a forward and a backward graph per piece. In pieces
+    (`split`: the embedding, each block, the head and loss) the gradients of a block
+    reach autograd (and DDP's all-reduce hooks) as soon as that block's backward has run,
+    while earlier blocks' backward graphs still replay: communication overlaps compute.
+    Unsplit (one process), the whole loss is one piece: each piece boundary costs a copy
+    of every activation and gradient crossing it, from one graph's output buffers into
+    the next one's inputs (~80 device copies, ~1 ms a GPT-2 step on an H200,
+    docs/perf-notes.md, twenty-seventh round)."""
 
-    def __init__(self, model: GPT, idx: torch.Tensor, targets: torch.Tensor):
+    def __init__(self, model: GPT, idx: torch.Tensor, targets: torch.Tensor, split: bool):
         tr = model.transformer
+        if not split:
+            stage = _Stage(model.loss, model)
+            sample = (idx.detach().clone(), targets.detach().clone())
+            (self.loss,) = torch.cuda.make_graphed_callables((stage,), (sample,))
+            return
         stages = [_Stage(model.embed, tr.wte, tr.wpe),
                   *(_Stage(block, block) for block in tr.h),
                   _Stage(model.head_loss, tr.ln_f, tr.wte)]
@@ -131,8 +148,12 @@ class _GraphedLoss:
         samples = [tuple(t.detach().clone().requires_grad_(t.is_floating_point()) for t in s)
                    for s in samples]
         self.stages = torch.cuda.make_graphed_callables(tuple(stages), tuple(samples))
+        self.loss = self._chain
 
     def __call__(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.loss(idx, targets)
+
+    def _chain(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         embed, *blocks, head = self.stages
         out = (embed(idx),)
         for block in blocks:
@@ -210,16 +231,18 @@ class GPTModule(L.LightningModule):
         return graphed(x, y) if x.shape == shape else self._loss_fn(x, y)
 
     def _capture(self, x: torch.Tensor, y: torch.Tensor) -> _GraphedLoss:
-        """The loss's forward and backward captured as CUDA graphs, a pair per piece
-        (embedding, block, head), after three warm-up runs on a side stream (where Triton
-        compiles and autotunes): each step then replays them, instead of the host
-        issuing every kernel. Autocast's weight-cast cache is off while capturing
-        (cached casts made during capture would be freed while the graphs still read
-        them); the graphs hold the autocast casts themselves."""
+        """The loss's forward and backward captured as CUDA graphs (_GraphedLoss: in
+        pieces under DDP, whole in one process), after three warm-up runs on a side
+        stream (where Triton compiles and autotunes): each step then replays them,
+        instead of the host issuing every kernel. Autocast's weight-cast cache is off
+        while capturing (cached casts made during capture would be freed while the
+        graphs still read them); the graphs hold the autocast casts themselves."""
         amp = torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"),
                              enabled=torch.is_autocast_enabled("cuda"), cache_enabled=False)
+        split = torch.distributed.is_available() and torch.distributed.is_initialized() \
+            and torch.distributed.get_world_size() > 1
         with amp:
-            return _GraphedLoss(self.model, x.clone(), y.clone())
+            return _GraphedLoss(self.model, x.clone(), y.clone(), split)
 
     def _queue_finite_check(self, loss: torch.Tensor):
         """Start checking this step's loss without making the host wait for the GPU: the
@@ -304,7 +327,7 @@ class GPTModule(L.LightningModule):
         if gradient_clip_algorithm == "value":
             torch.nn.utils.clip_grad_value_(params, gradient_clip_val)
         else:
-            clip_grad_norm(params, gradient_clip_val)
+            clip_grad_norm(params, gradient_clip_val, optimizer)
 
     def _fused_adamw(self) -> bool:
         """One fused kernel per parameter group on CUDA (foreach AdamW makes ~8 passes
@@ -317,14 +340,16 @@ class GPTModule(L.LightningModule):
         """(whether the fused ops step with fusedtrain.optim.AdamW, the dtype of the weight
         copies it writes). It does with fused ops on CUDA, unsharded (no copy of an FSDP
         shard is what an op reads), and writes bf16 copies where the ops read them: run
-        uncompiled (Inductor makes its own casts) under bf16 autocast. Without copies its
+        uncompiled (Inductor makes its own casts) and ungraphed (the graphs hold their
+        casts, _capture) under bf16 autocast. Without copies its
         kernel still beats AdamW(fused=True): 872 against 1006 us for GPT-2 on an H200
         (docs/perf-notes.md, twenty-second round)."""
         sharded = "fsdp" in type(self.trainer.strategy).__name__.lower()
         if not (any(self.model.config.kernels.values()) and self._fused_adamw()
                 and not sharded):
             return False, None
-        copies = not self.compile and str(self.trainer.precision) == "bf16-mixed"
+        copies = (not self.compile and not self.cuda_graph
+                  and str(self.trainer.precision) == "bf16-mixed")
         return True, torch.bfloat16 if copies else None
 
     def configure_optimizers(self):

@@ -52,18 +52,20 @@ def test_fused_adamw_only_on_cuda_and_never_under_fp16_scaling():
         assert not module._fused_adamw()
 
 
-@pytest.mark.parametrize("kernels, compile, precision, expected", [
-    ({}, False, "bf16-mixed", (False, None)),  # eager ops: torch's AdamW
-    ({"mlp": True}, False, "bf16-mixed", (True, torch.bfloat16)),
-    ({"mlp": True}, True, "bf16-mixed", (True, None)),  # Inductor casts the weights itself
-    ({"mlp": True}, False, "32-true", (True, None)),
+@pytest.mark.parametrize("kernels, run, precision, expected", [
+    ({}, "plain", "bf16-mixed", (False, None)),  # eager ops: torch's AdamW
+    ({"mlp": True}, "plain", "bf16-mixed", (True, torch.bfloat16)),
+    ({"mlp": True}, "compile", "bf16-mixed", (True, None)),  # Inductor casts the weights
+    ({"mlp": True}, "cuda_graph", "bf16-mixed", (True, None)),  # the graphs hold casts
+    ({"mlp": True}, "plain", "32-true", (True, None)),
 ])
 def test_fused_ops_step_with_fusedtrain_adamw_writing_copies_where_read(
-        monkeypatch, kernels, compile, precision, expected):
+        monkeypatch, kernels, run, precision, expected):
     cfg = GPTConfig(block_size=16, vocab_size=64, n_layer=1, n_head=2, n_embd=16,
                     kernels=kernels)
     monkeypatch.setattr(torch, "compile", lambda fn, mode=None: fn)
-    module = GPTModule(cfg, OptimConfig(), max_steps=10, compile=compile)
+    module = GPTModule(cfg, OptimConfig(), max_steps=10, compile=run == "compile",
+                       cuda_graph=run == "cuda_graph")
     module.trainer = SimpleNamespace(strategy=SimpleNamespace(model=module), precision=precision)
     monkeypatch.setattr(module, "_fused_adamw", lambda: True)  # as on CUDA
     assert module._fusedtrain_adamw() == expected
@@ -92,7 +94,7 @@ def test_the_graphed_pieces_chain_to_the_model_loss(monkeypatch, layernorm):
                     kernels={"layernorm": layernorm})
     model = GPT(cfg)
     idx, targets = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
-    graphed = _GraphedLoss(model, idx, targets)
+    graphed = _GraphedLoss(model, idx, targets, split=True)
     # embedding, first block (stream only), two blocks (stream, delta[, delta_bias]),
     # head (targets first)
     n = 3 if layernorm else 2
@@ -111,6 +113,13 @@ def test_the_graphed_pieces_chain_to_the_model_loss(monkeypatch, layernorm):
     torch.testing.assert_close(loss, expected)
     for g, e in zip(grads, torch.autograd.grad(expected, list(model.parameters()))):
         torch.testing.assert_close(g, e)
+
+    # Unsplit (one process): one piece, the whole loss over every parameter.
+    graphed = _GraphedLoss(model, idx, targets, split=False)
+    assert [len(s) for s in captured["samples"]] == [2]
+    assert {id(p) for p in captured["stages"][0].parameters()} == \
+        {id(p) for p in model.parameters()}
+    torch.testing.assert_close(graphed(idx, targets), expected)
 
 
 def test_graphed_training_loss_is_captured_once_and_falls_back_on_other_shapes(monkeypatch):
@@ -131,13 +140,13 @@ def test_graphed_training_loss_is_captured_once_and_falls_back_on_other_shapes(m
     x = torch.randint(0, 64, (2, 16))
     first = module._train_loss(x, x)
     again = module._train_loss(x, x)
-    assert captures == [4]  # embedding, two blocks, head: captured once
+    assert captures == [1]  # one process: the whole loss as one piece, captured once
     assert isinstance(module._graph[1], module_mod._GraphedLoss)
     torch.testing.assert_close(first, again)
     torch.testing.assert_close(first, module.model.loss(x, x))
     short = torch.randint(0, 64, (1, 16))
     torch.testing.assert_close(module._train_loss(short, short), module.model.loss(short, short))
-    assert captures == [4]
+    assert captures == [1]
 
 
 def test_reduce_overhead_compile_marks_each_step_and_logs_a_copy(monkeypatch):
@@ -230,3 +239,29 @@ def test_clip_grad_norm_matches_torch_bit_for_bit(scale):
         p.grad = torch.full_like(p, 3.0)
     assert clip_grad_norm(mixed, 1.0).item() == pytest.approx(72 ** 0.5)  # eight 3s
     assert all(torch.allclose(p.grad, torch.full_like(p, 3 / 72 ** 0.5)) for p in mixed)
+
+
+@pytest.mark.parametrize("scale", [1e3, 1e-3])  # clipped, and left alone
+def test_clipping_in_fusedtrain_adamw_steps_as_clipping_first(scale):
+    """clip_grad_norm handing its coefficient to fusedtrain's AdamW (multiplied in the
+    step's kernel, under the interpreter here) gives the parameters that clipping the
+    gradients in place and then stepping gives, bit for bit."""
+    from fusedtrain.module import clip_grad_norm
+
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(64, 16), (16,), (48, 16), (3,)]
+    ours = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    opts = [AdamW(ps, lr=1e-2, copy_dtype=None) for ps in (ours, theirs)]
+    for _ in range(2):
+        for a, b in zip(ours, theirs):
+            a.grad = torch.randn(a.shape, generator=gen) * scale
+            b.grad = a.grad.clone()
+        unclipped = [a.grad.clone() for a in ours]
+        assert torch.equal(clip_grad_norm(ours, 1.0, opts[0]), clip_grad_norm(theirs, 1.0))
+        for opt in opts:
+            opt.step()
+        # The kernel's step read the coefficient: the gradients are left unclipped.
+        assert all(torch.equal(a.grad, g) for a, g in zip(ours, unclipped))
+        for a, b in zip(ours, theirs):
+            assert torch.equal(a, b)

@@ -180,3 +180,36 @@ def test_a_zero_beta_steps_through_torch():
     _step_both(mine, opt, ref, opt_ref, 0)
     for p, r in zip(mine, ref):
         torch.testing.assert_close(p, r, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("options", [{}, {"amsgrad": True}])  # the kernel; torch's step
+def test_a_gradient_scale_applies_to_the_next_step_alone(options):
+    """scale_gradients_in_step(s) steps as if every gradient had been multiplied by s
+    first (clipping's last operation), bit for bit, and only the next step."""
+    mine, opt, scaled, opt_scaled = _params(), None, _params(), None
+    opt = AdamW([{"params": mine, "weight_decay": 0.1}], lr=1e-2, **options)
+    opt_scaled = AdamW([{"params": scaled, "weight_decay": 0.1}], lr=1e-2, **options)
+    s = torch.tensor(0.37, device=DEVICE)
+    for seed in range(3):
+        g = torch.Generator().manual_seed(seed)
+        grads = [torch.randn(p.shape, generator=g).to(DEVICE) for p in mine]
+        for p, q, grad in zip(mine, scaled, grads):
+            p.grad = grad.clone()
+            q.grad = grad * s if seed == 1 else grad.clone()
+        if seed == 1:
+            opt.scale_gradients_in_step(s)
+        opt.step()
+        opt_scaled.step()
+        if seed == 1 and not options:  # the kernel reads the scale: .grad left as it was
+            assert all(torch.equal(p.grad, grad) for p, grad in zip(mine, grads))
+    for p, q in zip(mine, scaled):
+        assert torch.equal(p, q)
+        assert torch.equal(opt.state[p]["exp_avg_sq"], opt_scaled.state[q]["exp_avg_sq"])
+
+
+def test_a_bad_gradient_scale_is_refused():
+    opt = AdamW(_params(), lr=1e-2)
+    with pytest.raises(ValueError, match="0-dim float32"):
+        opt.scale_gradients_in_step(torch.ones(2))
+    with pytest.raises(ValueError, match="0-dim float32"):
+        opt.scale_gradients_in_step(torch.tensor(1.0, dtype=torch.float64))

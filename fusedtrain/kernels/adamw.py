@@ -44,11 +44,15 @@ def _address(row_ptr, column: tl.constexpr, dtype: tl.constexpr):
 
 
 @triton.jit
-def _update(p_ptr, g_ptr, m_ptr, v_ptr, copy_ptr, offs, mask, beta1, beta2, eps, step_size,
-            bc2_sqrt, decay, COPY: tl.constexpr, COPY_DTYPE: tl.constexpr):
-    """torch.optim.AdamW's update of the elements at offs: decoupled decay, moments,
-    bias-corrected step; and the parameter's copy."""
+def _update(p_ptr, g_ptr, m_ptr, v_ptr, copy_ptr, offs, mask, grad_scale, beta1, beta2, eps,
+            step_size, bc2_sqrt, decay, COPY: tl.constexpr, COPY_DTYPE: tl.constexpr,
+            SCALE: tl.constexpr):
+    """torch.optim.AdamW's update of the elements at offs from the gradients (times
+    grad_scale if SCALE): decoupled decay, moments, bias-corrected step; and the
+    parameter's copy."""
     g = tl.load(g_ptr + offs, mask=mask)
+    if SCALE:
+        g = g * grad_scale
     p = tl.load(p_ptr + offs, mask=mask) * decay
     m = tl.load(m_ptr + offs, mask=mask)
     v = tl.load(v_ptr + offs, mask=mask)
@@ -64,9 +68,10 @@ def _update(p_ptr, g_ptr, m_ptr, v_ptr, copy_ptr, offs, mask, beta1, beta2, eps,
 
 @fast_launch
 @triton.jit
-def _adamw_kernel(table_ptr, chunk_ptr, step_ptr, lr, beta1, beta2, log2_beta1, log2_beta2,
-                  eps, weight_decay, COPY: tl.constexpr, COPY_DTYPE: tl.constexpr,
-                  CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+def _adamw_kernel(table_ptr, chunk_ptr, step_ptr, scale_ptr, lr, beta1, beta2, log2_beta1,
+                  log2_beta2, eps, weight_decay, COPY: tl.constexpr,
+                  COPY_DTYPE: tl.constexpr, SCALE: tl.constexpr, CHUNK: tl.constexpr,
+                  BLOCK: tl.constexpr):
     # Chunk c covers elements [first, first + CHUNK) of tensor `row` (masked at its end).
     c = tl.program_id(0)
     row = tl.load(chunk_ptr + 2 * c)
@@ -83,15 +88,16 @@ def _adamw_kernel(table_ptr, chunk_ptr, step_ptr, lr, beta1, beta2, log2_beta1, 
     step_size = lr / (1.0 - tl.exp2(step * log2_beta1))
     bc2_sqrt = tl.sqrt(1.0 - tl.exp2(step * log2_beta2))
     decay = 1.0 - lr * weight_decay
+    grad_scale = tl.load(scale_ptr) if SCALE else 1.0
     for start in tl.range(first, first + CHUNK, BLOCK):
         # Chunks start at multiples of CHUNK: runs of BLOCK aligned elements.
         offs = tl.max_contiguous(tl.multiple_of(start + tl.arange(0, BLOCK), BLOCK), BLOCK)
         if start + BLOCK <= numel:  # whole blocks unmasked: 16-byte accesses
-            _update(p_ptr, g_ptr, m_ptr, v_ptr, copy_ptr, offs, None, beta1, beta2, eps,
-                    step_size, bc2_sqrt, decay, COPY, COPY_DTYPE)
+            _update(p_ptr, g_ptr, m_ptr, v_ptr, copy_ptr, offs, None, grad_scale, beta1,
+                    beta2, eps, step_size, bc2_sqrt, decay, COPY, COPY_DTYPE, SCALE)
         elif start < numel:
-            _update(p_ptr, g_ptr, m_ptr, v_ptr, copy_ptr, offs, offs < numel, beta1, beta2,
-                    eps, step_size, bc2_sqrt, decay, COPY, COPY_DTYPE)
+            _update(p_ptr, g_ptr, m_ptr, v_ptr, copy_ptr, offs, offs < numel, grad_scale,
+                    beta1, beta2, eps, step_size, bc2_sqrt, decay, COPY, COPY_DTYPE, SCALE)
 
 
 def tensor_table(params: list[torch.Tensor], grads: list[torch.Tensor],
@@ -115,14 +121,16 @@ def chunk_table(numels: list[int], device: torch.device) -> torch.Tensor:
 
 def adamw_step(table: torch.Tensor, chunks: torch.Tensor, step: torch.Tensor, lr: float,
                beta1: float, beta2: float, eps: float, weight_decay: float,
-               copy_dtype: torch.dtype | None) -> None:
+               copy_dtype: torch.dtype | None, grad_scale: torch.Tensor | None = None) -> None:
     """One AdamW step over the tensors of `table` ((tensors, TABLE_COLUMNS) int64, see
-    tensor_table) in place; `step`: fp32 scalar tensor, the step being taken (1 first)."""
+    tensor_table) in place; `step`: fp32 scalar tensor, the step being taken (1 first);
+    `grad_scale`: an fp32 scalar tensor on the same device that every gradient is
+    multiplied by as it is read (the gradients themselves are left as they are)."""
     if not 0.0 < beta1 < 1.0 or not 0.0 < beta2 < 1.0:
         raise ValueError(f"betas must lie in (0, 1), got ({beta1}, {beta2})")
 
     _adamw_kernel[(chunks.shape[0],)](
-        table, chunks, step, lr, beta1, beta2, math.log2(beta1), math.log2(beta2), eps,
-        weight_decay, COPY=copy_dtype is not None,
-        COPY_DTYPE=_TORCH_TO_TL[copy_dtype or torch.float32], CHUNK=CHUNK, BLOCK=BLOCK,
-        num_warps=4)
+        table, chunks, step, step if grad_scale is None else grad_scale, lr, beta1, beta2,
+        math.log2(beta1), math.log2(beta2), eps, weight_decay, COPY=copy_dtype is not None,
+        COPY_DTYPE=_TORCH_TO_TL[copy_dtype or torch.float32], SCALE=grad_scale is not None,
+        CHUNK=CHUNK, BLOCK=BLOCK, num_warps=4)
