@@ -10,6 +10,8 @@ from fusedtrain.model import GPT, GPTConfig
 from fusedtrain.module import GPTModule, OptimConfig
 from fusedtrain.optim import AdamW
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 
 def _module_with_grads(precision: str = "32-true") -> GPTModule:
     cfg = GPTConfig(block_size=16, vocab_size=64, n_layer=1, n_head=2, n_embd=16)
@@ -92,8 +94,9 @@ def test_the_graphed_pieces_chain_to_the_model_loss(monkeypatch, layernorm):
     monkeypatch.setattr(torch.cuda, "make_graphed_callables", identity)
     cfg = GPTConfig(block_size=16, vocab_size=64, n_layer=3, n_head=2, n_embd=16,
                     kernels={"layernorm": layernorm})
-    model = GPT(cfg)
-    idx, targets = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
+    model = GPT(cfg).to(DEVICE)  # the fused kernels' device
+    idx = torch.randint(0, 64, (2, 16), device=DEVICE)
+    targets = torch.randint(0, 64, (2, 16), device=DEVICE)
     graphed = _GraphedLoss(model, idx, targets, split=True)
     # embedding, first block (stream only), two blocks (stream, delta[, delta_bias]),
     # head (targets first)
@@ -250,12 +253,12 @@ def test_clipping_in_fusedtrain_adamw_steps_as_clipping_first(scale):
 
     gen = torch.Generator().manual_seed(0)
     shapes = [(64, 16), (16,), (48, 16), (3,)]
-    ours = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+    ours = [torch.nn.Parameter(torch.randn(s, generator=gen).to(DEVICE)) for s in shapes]
     theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
     opts = [AdamW(ps, lr=1e-2, copy_dtype=None) for ps in (ours, theirs)]
     for _ in range(2):
         for a, b in zip(ours, theirs):
-            a.grad = torch.randn(a.shape, generator=gen) * scale
+            a.grad = torch.randn(a.shape, generator=gen).to(DEVICE) * scale
             b.grad = a.grad.clone()
         unclipped = [a.grad.clone() for a in ours]
         assert torch.equal(clip_grad_norm(ours, 1.0, opts[0]), clip_grad_norm(theirs, 1.0))

@@ -125,6 +125,23 @@ def _reciprocal_div(x):
 
 reciprocal = _reciprocal_div if INTERPRET else _reciprocal_rcp
 
+
+@device_fn
+def _mul_rn(a, b):
+    """a * b in fp32, rounded on its own: PTX's mul.rn is never contracted into an FMA
+    with a later addition, as a plain product may be, so the result is the bits that
+    multiplying in a separate pass (PyTorch's) stores."""
+    return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b],
+                                     dtype=tl.float32, is_pure=True, pack=1)
+
+
+@device_fn
+def _mul_plain(a, b):
+    return a * b
+
+
+mul_rounded = _mul_plain if INTERPRET else _mul_rn  # the interpreter's numpy never fuses
+
 # Abramowitz & Stegun 7.1.26: erfc(z) = t P(t) exp(-z^2) + e(z), t = 1 / (1 + p z), z >= 0,
 # |e| <= 1.5e-7. Below z = |h| / sqrt 2, so p is pre-divided by sqrt 2, P's coefficients are
 # pre-halved (the GELU wants erfc / 2) and exp(-h^2 / 2) is exp2(h^2 * AS_EXP2).

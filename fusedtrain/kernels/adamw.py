@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from fusedtrain.kernels import INTERPRET
+from fusedtrain.kernels._common import mul_rounded
 from fusedtrain.kernels._launch import fast_launch
 
 # Elements a program updates (several BLOCK sweeps) and a sweep's width, at 4 warps: on an
@@ -51,8 +52,8 @@ def _update(p_ptr, g_ptr, m_ptr, v_ptr, copy_ptr, offs, mask, grad_scale, beta1,
     grad_scale if SCALE): decoupled decay, moments, bias-corrected step; and the
     parameter's copy."""
     g = tl.load(g_ptr + offs, mask=mask)
-    if SCALE:
-        g = g * grad_scale
+    if SCALE:  # rounded before the update, as clipping's own pass would store it
+        g = mul_rounded(g, grad_scale)
     p = tl.load(p_ptr + offs, mask=mask) * decay
     m = tl.load(m_ptr + offs, mask=mask)
     v = tl.load(v_ptr + offs, mask=mask)
