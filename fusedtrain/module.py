@@ -12,6 +12,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import TQDMProgressBar
 
+from fusedtrain.graph_chain import GraphChain
 from fusedtrain.model import GPT, GPTConfig
 from fusedtrain.ops import register_inductor_fallbacks
 from fusedtrain.optim import AdamW
@@ -103,9 +104,9 @@ class NonFiniteLossError(RuntimeError):
 
 
 class _Stage(torch.nn.Module):
-    """One piece of the loss for torch.cuda.make_graphed_callables: `fn`, with the
-    modules whose parameters it uses registered here, so that the piece's graph takes
-    those parameters as inputs and returns their gradients."""
+    """One piece of the loss for GraphChain: `fn`, with the modules whose parameters it
+    uses registered here, so that the piece's graphs take those parameters as inputs and
+    return their gradients."""
 
     def __init__(self, fn, *modules: torch.nn.Module):
         super().__init__()
@@ -117,48 +118,32 @@ class _Stage(torch.nn.Module):
 
 
 class _GraphedLoss:
-    """model.loss as CUDA graphs, a forward and a backward graph per piece. In pieces
-    (`split`: the embedding, each block, the head and loss) the gradients of a block
-    reach autograd (and DDP's all-reduce hooks) as soon as that block's backward has run,
-    while earlier blocks' backward graphs still replay: communication overlaps compute.
-    Unsplit (one process), the whole loss is one piece: each piece boundary costs a copy
-    of every activation and gradient crossing it, from one graph's output buffers into
-    the next one's inputs (~80 device copies, ~1 ms a GPT-2 step on an H200,
-    docs/perf-notes.md, twenty-seventh round)."""
+    """model.loss as CUDA graphs (GraphChain), a forward and a backward graph per piece.
+    In pieces (`split`: the embedding, each block, the head and loss) the gradients of a
+    block reach autograd (and DDP's all-reduce hooks) as soon as that block's backward
+    has run, while earlier blocks' backward graphs still replay: communication overlaps
+    compute. Unsplit (one process), the whole loss is one piece."""
 
     def __init__(self, model: GPT, idx: torch.Tensor, targets: torch.Tensor, split: bool):
         tr = model.transformer
-        if not split:
-            stage = _Stage(model.loss, model)
-            sample = (idx.detach().clone(), targets.detach().clone())
-            (self.loss,) = torch.cuda.make_graphed_callables((stage,), (sample,))
-            return
-        stages = [_Stage(model.embed, tr.wte, tr.wpe),
-                  *(_Stage(block, block) for block in tr.h),
-                  _Stage(model.head_loss, tr.ln_f, tr.wte)]
-        # Sample inputs of each piece: what it receives in a real step (shapes, dtypes
-        # under autocast), as leaves that require grad where the real ones do.
-        samples, inputs = [], (idx,)
-        with torch.no_grad():
-            for stage in stages[:-1]:
-                samples.append(inputs)
-                out = stage(*inputs)
-                inputs = out if isinstance(out, tuple) else (out,)
-        samples.append((targets, *inputs))
-        samples = [tuple(t.detach().clone().requires_grad_(t.is_floating_point()) for t in s)
-                   for s in samples]
-        self.stages = torch.cuda.make_graphed_callables(tuple(stages), tuple(samples))
-        self.loss = self._chain
+        if split:
+            self.pieces = [_Stage(model.embed, tr.wte, tr.wpe),
+                           *(_Stage(block, block) for block in tr.h),
+                           _Stage(model.head_loss, tr.ln_f, tr.wte)]
+        else:
+            self.pieces = [_Stage(model.loss, model)]
+        self.chain = GraphChain(self.pieces, self._extras(idx, targets))
+
+    def _extras(self, idx: torch.Tensor, targets: torch.Tensor) -> list[tuple]:
+        """The caller's inputs of each piece: the tokens to the first, the targets to the
+        last (first among its inputs), nothing to the others."""
+        if len(self.pieces) == 1:
+            return [(idx, targets)]
+        return [(idx,), *([()] * (len(self.pieces) - 2)), (targets,)]
 
     def __call__(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return self.loss(idx, targets)
-
-    def _chain(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        embed, *blocks, head = self.stages
-        out = (embed(idx),)
-        for block in blocks:
-            out = block(*out)
-        return head(targets, *out)
+        (loss,) = self.chain(*self._extras(idx, targets))
+        return loss
 
 
 class GPTModule(L.LightningModule):
@@ -341,9 +326,9 @@ class GPTModule(L.LightningModule):
         copies it writes). It does with fused ops on CUDA, unsharded (no copy of an FSDP
         shard is what an op reads), and writes bf16 copies where the ops read them: run
         uncompiled (Inductor makes its own casts) and ungraphed (the graphs hold their
-        casts, _capture) under bf16 autocast. Without copies its
-        kernel still beats AdamW(fused=True): 872 against 1006 us for GPT-2 on an H200
-        (docs/perf-notes.md, twenty-second round)."""
+        casts, _capture) under bf16 autocast. Without copies its kernel still beats
+        AdamW(fused=True): 872 against 1006 us for GPT-2 on an H200 (docs/perf-notes.md,
+        twenty-second round)."""
         sharded = "fsdp" in type(self.trainer.strategy).__name__.lower()
         if not (any(self.model.config.kernels.values()) and self._fused_adamw()
                 and not sharded):

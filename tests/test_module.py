@@ -80,37 +80,31 @@ def test_fused_ops_step_with_fusedtrain_adamw_writing_copies_where_read(
 def test_the_graphed_pieces_chain_to_the_model_loss(monkeypatch, layernorm):
     """cuda_graph=true's chain of pieces (embedding, blocks, head) computes model.loss and
     its gradients; with the fused LayerNorm each block also hands the next its MLP's
-    output bias. On CPU the graphing itself is left out (identity); the GPU test
-    (tests/test_cuda_graph.py) trains with the real graphs."""
-    from fusedtrain.module import _GraphedLoss
+    output bias. Here the pieces run eagerly (a stand-in for GraphChain); on a GPU
+    tests/test_graph_chain.py replays the real graphs and tests/test_cuda_graph.py trains
+    with them."""
+    import fusedtrain.module as module_mod
 
     captured = {}
-
-    def identity(stages, samples):
-        captured["samples"] = samples
-        captured["stages"] = stages
-        return stages
-
-    monkeypatch.setattr(torch.cuda, "make_graphed_callables", identity)
+    monkeypatch.setattr(module_mod, "GraphChain", _eager_chain(captured))
     cfg = GPTConfig(block_size=16, vocab_size=64, n_layer=3, n_head=2, n_embd=16,
                     kernels={"layernorm": layernorm})
     model = GPT(cfg).to(DEVICE)  # the fused kernels' device
     idx = torch.randint(0, 64, (2, 16), device=DEVICE)
     targets = torch.randint(0, 64, (2, 16), device=DEVICE)
-    graphed = _GraphedLoss(model, idx, targets, split=True)
-    # embedding, first block (stream only), two blocks (stream, delta[, delta_bias]),
-    # head (targets first)
-    n = 3 if layernorm else 2
-    assert [len(s) for s in captured["samples"]] == [1, 1, n, n, n + 1]
-    assert [t.requires_grad for t in captured["samples"][-1]] == [False] + [True] * n
+    graphed = module_mod._GraphedLoss(model, idx, targets, split=True)
     # A graph returns gradients only for the parameters its piece registers: every
     # parameter must be registered by the pieces that use it (the tied wte by two).
-    registered = [{id(p) for p in stage.parameters()} for stage in captured["stages"]]
+    registered = [{id(p) for p in piece.parameters()} for piece in captured["pieces"]]
     assert set().union(*registered) == {id(p) for p in model.parameters()}
     wte = id(model.transformer.wte.weight)
     assert wte in registered[0] and wte in registered[-1]
 
     loss = graphed(idx, targets)
+    # embedding, first block (stream only), two blocks (stream, delta[, delta_bias]),
+    # head (targets first)
+    n = 3 if layernorm else 2
+    assert captured["inputs"] == [1, 1, n, n, n + 1]
     grads = torch.autograd.grad(loss, list(model.parameters()))
     expected = model.loss(idx, targets)
     torch.testing.assert_close(loss, expected)
@@ -118,38 +112,54 @@ def test_the_graphed_pieces_chain_to_the_model_loss(monkeypatch, layernorm):
         torch.testing.assert_close(g, e)
 
     # Unsplit (one process): one piece, the whole loss over every parameter.
-    graphed = _GraphedLoss(model, idx, targets, split=False)
-    assert [len(s) for s in captured["samples"]] == [2]
-    assert {id(p) for p in captured["stages"][0].parameters()} == \
+    graphed = module_mod._GraphedLoss(model, idx, targets, split=False)
+    assert {id(p) for p in captured["pieces"][0].parameters()} == \
         {id(p) for p in model.parameters()}
     torch.testing.assert_close(graphed(idx, targets), expected)
+    assert captured["inputs"] == [2]
+
+
+def _eager_chain(captured: dict):
+    """A stand-in for GraphChain that runs its pieces eagerly (no CUDA graphs on CPU),
+    recording the pieces and how many inputs each received."""
+
+    class EagerChain:
+        def __init__(self, pieces, extras):
+            captured["pieces"] = self.pieces = pieces
+            captured["captures"] = captured.get("captures", 0) + 1
+
+        def __call__(self, *extras):
+            outs, captured["inputs"] = (), []
+            for piece, piece_extras in zip(self.pieces, extras, strict=True):
+                captured["inputs"].append(len(piece_extras) + len(outs))
+                out = piece(*piece_extras, *outs)
+                outs = out if isinstance(out, tuple) else (out,)
+            return outs
+
+    return EagerChain
 
 
 def test_graphed_training_loss_is_captured_once_and_falls_back_on_other_shapes(monkeypatch):
     """GPTModule with cuda_graph=True: the first step captures, later steps of that batch
-    shape replay the same pieces, another shape runs the plain loss (graphing is identity
-    here, as above)."""
+    shape replay the same pieces, another shape runs the plain loss (the pieces run
+    eagerly here, as above)."""
     import fusedtrain.module as module_mod
 
-    captures = []
-
-    def identity(stages, samples):
-        captures.append(len(stages))
-        return stages
-
-    monkeypatch.setattr(torch.cuda, "make_graphed_callables", identity)
+    captured = {}
+    monkeypatch.setattr(module_mod, "GraphChain", _eager_chain(captured))
     cfg = GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=2, n_embd=16)
     module = GPTModule(cfg, OptimConfig(), max_steps=10, cuda_graph=True)
     x = torch.randint(0, 64, (2, 16))
     first = module._train_loss(x, x)
     again = module._train_loss(x, x)
-    assert captures == [1]  # one process: the whole loss as one piece, captured once
+    # One process: the whole loss as one piece, captured once.
+    assert captured["captures"] == 1 and len(captured["pieces"]) == 1
     assert isinstance(module._graph[1], module_mod._GraphedLoss)
     torch.testing.assert_close(first, again)
     torch.testing.assert_close(first, module.model.loss(x, x))
     short = torch.randint(0, 64, (1, 16))
     torch.testing.assert_close(module._train_loss(short, short), module.model.loss(short, short))
-    assert captures == [1]
+    assert captured["captures"] == 1
 
 
 def test_reduce_overhead_compile_marks_each_step_and_logs_a_copy(monkeypatch):

@@ -1,0 +1,66 @@
+"""GraphChain: pieces replayed as CUDA graphs that read each other's buffers in place."""
+
+import pytest
+import torch
+
+from fusedtrain.graph_chain import GraphChain
+from fusedtrain.model import GPT, KERNEL_FAMILIES, GPTConfig
+from fusedtrain.module import _GraphedLoss
+
+
+def test_bad_pieces_are_refused_before_any_capture():
+    piece = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="one tuple of extras per piece"):
+        GraphChain([piece], [(), ()])
+    with pytest.raises(ValueError, match="one tuple of extras per piece"):
+        GraphChain([], [])
+    with pytest.raises(ValueError, match="must not require grad"):
+        GraphChain([piece], [(torch.ones(2, requires_grad=True),)])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("split", [True, False])
+def test_replays_compute_the_loss_and_gradients_with_nothing_copied_between_pieces(
+        monkeypatch, split):
+    """The graphed loss of a fused GPT, in pieces and whole, replayed on two new batches:
+    the loss and every parameter's gradient (accumulated into .grad, as training does) as
+    the eager model computes them. Between pieces nothing is copied: the only copies are
+    the caller's tokens and targets into the first and last pieces, and the loss's
+    upstream gradient."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(block_size=64, vocab_size=128, n_layer=2, n_head=2, n_embd=64,
+                    kernels=dict.fromkeys(KERNEL_FAMILIES, True))
+    model = GPT(cfg).cuda()
+    params = list(model.parameters())
+    batches = [torch.randint(0, 128, (2, 65), device="cuda") for _ in range(3)]
+    graphed = _GraphedLoss(model, batches[0][:, :-1], batches[0][:, 1:], split)
+    pieces = graphed.chain.pieces
+    assert len(pieces) == (4 if split else 1)
+    for prev, piece in zip(pieces, pieces[1:]):
+        assert [t.data_ptr() for t in piece.chained] == [o.data_ptr() for o in prev.outs]
+        start = len(piece.extras)
+        for buffer, grad in zip(prev.grad_outs, piece.grads[start:start + len(piece.chained)]):
+            assert buffer is not None and grad is not None
+            assert buffer.data_ptr() == grad.data_ptr()
+
+    copies = []
+    copy_ = torch.Tensor.copy_
+
+    def counted_copy(self, src, *args, **kwargs):
+        copies.append(src.shape)
+        return copy_(self, src, *args, **kwargs)
+
+    for batch in batches[1:]:
+        x, y = batch[:, :-1].clone(), batch[:, 1:].clone()  # new tensors: copied in
+        model.zero_grad(set_to_none=True)
+        copies.clear()
+        with monkeypatch.context() as patch:
+            patch.setattr(torch.Tensor, "copy_", counted_copy)
+            loss = graphed(x, y)
+            loss.backward()
+        assert copies == [x.shape, y.shape, loss.shape]  # tokens, targets, d loss
+        expected = model.loss(x, y)
+        torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
+        for p, e in zip(params, torch.autograd.grad(expected, params)):
+            torch.testing.assert_close(p.grad, e, rtol=1e-4, atol=1e-5)
