@@ -63,6 +63,12 @@ class _Replay(torch.autograd.Function):
             # A gradient made by the next piece's graph is already in place.
             if buffer is not None and buffer.data_ptr() != g.data_ptr():
                 buffer.copy_(g)
+        # Autograd keeps a returned gradient as .grad without a copy when .grad is unset:
+        # .grad is then this piece's buffer. Where it still is (gradients accumulated over
+        # several backward passes), it moves out before the replay overwrites it.
+        for p, g in zip(piece.params, piece.grads[len(piece.grads) - len(piece.params):]):
+            if g is not None and p.grad is not None and p.grad.data_ptr() == g.data_ptr():
+                p.grad = p.grad.clone()
         piece.bwd.replay()
         return (None, *(None if g is None else g.detach() for g in piece.grads))
 

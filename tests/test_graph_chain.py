@@ -1,5 +1,7 @@
 """GraphChain: pieces replayed as CUDA graphs that read each other's buffers in place."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -16,6 +18,43 @@ def test_bad_pieces_are_refused_before_any_capture():
         GraphChain([], [])
     with pytest.raises(ValueError, match="must not require grad"):
         GraphChain([piece], [(torch.ones(2, requires_grad=True),)])
+
+
+class _Graph:
+    """A stand-in for torch.cuda.CUDAGraph: capture runs the work eagerly, and a replay
+    runs `on_replay` (set by a test) in place of the captured kernels."""
+
+    def __init__(self):
+        self.on_replay = lambda: None
+
+    def replay(self):
+        self.on_replay()
+
+
+def _without_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _Graph)
+    monkeypatch.setattr(torch.cuda, "graph", lambda graph, pool=None: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda: None)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+
+
+def test_gradients_accumulated_over_passes_keep_what_a_replay_overwrites(monkeypatch):
+    """Autograd keeps a piece's weight gradient as .grad without a copy (.grad is then the
+    backward graph's own buffer). A second backward pass before zero_grad must add to it,
+    not see it overwritten by the replay first."""
+    _without_cuda(monkeypatch)
+    layer = torch.nn.Linear(3, 2)
+    chain = GraphChain([layer], [(torch.ones(4, 3),)])
+    (piece,) = chain.pieces
+    weight_grad = piece.grads[1]  # inputs: x, weight, bias
+    x = torch.ones(4, 3)
+    for value in (1.0, 2.0):  # what each replay writes
+        piece.bwd.on_replay = lambda v=value: weight_grad.fill_(v)
+        (out,) = chain((x,))
+        out.backward(torch.ones_like(out))
+    torch.testing.assert_close(layer.weight.grad, torch.full((2, 3), 3.0))
 
 
 @pytest.mark.gpu
@@ -64,3 +103,25 @@ def test_replays_compute_the_loss_and_gradients_with_nothing_copied_between_piec
         torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
         for p, e in zip(params, torch.autograd.grad(expected, params)):
             torch.testing.assert_close(p.grad, e, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_two_backward_passes_accumulate_as_the_eager_model():
+    """Gradient accumulation (two micro-batches before zero_grad) through real replays,
+    the tied embedding's gradient summed from two pieces."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(block_size=64, vocab_size=128, n_layer=2, n_head=2, n_embd=64,
+                    kernels=dict.fromkeys(KERNEL_FAMILIES, True))
+    model = GPT(cfg).cuda()
+    params = list(model.parameters())
+    batches = [torch.randint(0, 128, (2, 65), device="cuda") for _ in range(2)]
+    graphed = _GraphedLoss(model, batches[0][:, :-1], batches[0][:, 1:], split=True)
+    model.zero_grad(set_to_none=True)
+    expected = [torch.zeros_like(p) for p in params]
+    for batch in batches:
+        graphed(batch[:, :-1], batch[:, 1:]).backward()
+        eager = torch.autograd.grad(model.loss(batch[:, :-1], batch[:, 1:]), params)
+        expected = [e + g for e, g in zip(expected, eager)]
+    for p, e in zip(params, expected):
+        torch.testing.assert_close(p.grad, e, rtol=1e-4, atol=1e-5)
