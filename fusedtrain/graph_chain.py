@@ -43,6 +43,9 @@ class _Piece:
     def wrt(self) -> Tensors:
         return tuple(t for t in self.chained + self.params if t.requires_grad)
 
+    def param_grads(self) -> tuple[torch.Tensor | None, ...]:
+        return self.grads[len(self.extras) + len(self.chained):]
+
 
 class _Replay(torch.autograd.Function):
     @staticmethod
@@ -63,12 +66,6 @@ class _Replay(torch.autograd.Function):
             # A gradient made by the next piece's graph is already in place.
             if buffer is not None and buffer.data_ptr() != g.data_ptr():
                 buffer.copy_(g)
-        # Autograd keeps a returned gradient as .grad without a copy when .grad is unset:
-        # .grad is then this piece's buffer. Where it still is (gradients accumulated over
-        # several backward passes), it moves out before the replay overwrites it.
-        for p, g in zip(piece.params, piece.grads[len(piece.grads) - len(piece.params):]):
-            if g is not None and p.grad is not None and p.grad.data_ptr() == g.data_ptr():
-                p.grad = p.grad.clone()
         piece.bwd.replay()
         return (None, *(None if g is None else g.detach() for g in piece.grads))
 
@@ -122,6 +119,9 @@ class GraphChain:
             grad_outs = tuple(g if g is not None else torch.zeros_like(t)
                               for t, g in zip(piece.chained, piece.grads[len(piece.extras):])
                               if t.requires_grad)
+        self._weight_grads = [(p, g) for piece in self.pieces
+                              for p, g in zip(piece.params, piece.param_grads())
+                              if g is not None]
 
     @staticmethod
     def _warm_up(pieces: Sequence[torch.nn.Module], extras: Sequence[Tensors]) -> None:
@@ -140,6 +140,13 @@ class GraphChain:
     def __call__(self, *extras: Tensors) -> Tensors:
         """extras: a tuple of tensors per piece, shaped as at capture. Returns the last
         piece's outputs."""
+        # Autograd keeps a gradient that a piece returns as .grad, without a copy, when
+        # .grad is unset: .grad is then the graph's buffer, valid until the next replay
+        # (one pool serves every graph, so a forward may reuse it). Gradients accumulated
+        # over several passes (no zero_grad between) move out first.
+        for p, buffer in self._weight_grads:
+            if p.grad is not None and p.grad.data_ptr() == buffer.data_ptr():
+                p.grad = p.grad.clone()
         outs: Tensors = ()
         for piece, piece_extras in zip(self.pieces, extras, strict=True):
             outs = _Replay.apply(piece, *piece_extras, *outs, *piece.params)

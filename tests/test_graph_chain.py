@@ -42,15 +42,17 @@ def _without_cuda(monkeypatch):
 
 def test_gradients_accumulated_over_passes_keep_what_a_replay_overwrites(monkeypatch):
     """Autograd keeps a piece's weight gradient as .grad without a copy (.grad is then the
-    backward graph's own buffer). A second backward pass before zero_grad must add to it,
-    not see it overwritten by the replay first."""
+    backward graph's own buffer, which the next forward may reuse: one pool). A second
+    pass before zero_grad must add to the first pass's gradient, not to what the replays
+    wrote over it."""
     _without_cuda(monkeypatch)
     layer = torch.nn.Linear(3, 2)
     chain = GraphChain([layer], [(torch.ones(4, 3),)])
     (piece,) = chain.pieces
     weight_grad = piece.grads[1]  # inputs: x, weight, bias
+    piece.fwd.on_replay = lambda: weight_grad.fill_(-100.0)  # the forward's scratch there
     x = torch.ones(4, 3)
-    for value in (1.0, 2.0):  # what each replay writes
+    for value in (1.0, 2.0):  # what each backward replay writes
         piece.bwd.on_replay = lambda v=value: weight_grad.fill_(v)
         (out,) = chain((x,))
         out.backward(torch.ones_like(out))
