@@ -59,6 +59,17 @@ def test_gradients_accumulated_over_passes_keep_what_a_replay_overwrites(monkeyp
     torch.testing.assert_close(layer.weight.grad, torch.full((2, 3), 3.0))
 
 
+def _fused_gpt(n_batches: int):
+    """(a small GPT with every fused kernel on the GPU, its parameters, n batches of
+    (2, 65) tokens)."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(block_size=64, vocab_size=128, n_layer=2, n_head=2, n_embd=64,
+                    kernels=dict.fromkeys(KERNEL_FAMILIES, True))
+    model = GPT(cfg).cuda()
+    batches = [torch.randint(0, 128, (2, 65), device="cuda") for _ in range(n_batches)]
+    return model, list(model.parameters()), batches
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("split", [True, False])
@@ -69,12 +80,7 @@ def test_replays_compute_the_loss_and_gradients_with_nothing_copied_between_piec
     the eager model computes them. Between pieces nothing is copied: the only copies are
     the caller's tokens and targets into the first and last pieces, and the loss's
     upstream gradient."""
-    torch.manual_seed(0)
-    cfg = GPTConfig(block_size=64, vocab_size=128, n_layer=2, n_head=2, n_embd=64,
-                    kernels=dict.fromkeys(KERNEL_FAMILIES, True))
-    model = GPT(cfg).cuda()
-    params = list(model.parameters())
-    batches = [torch.randint(0, 128, (2, 65), device="cuda") for _ in range(3)]
+    model, params, batches = _fused_gpt(3)
     graphed = _GraphedLoss(model, batches[0][:, :-1], batches[0][:, 1:], split)
     pieces = graphed.chain.pieces
     assert len(pieces) == (4 if split else 1)
@@ -112,12 +118,7 @@ def test_replays_compute_the_loss_and_gradients_with_nothing_copied_between_piec
 def test_two_backward_passes_accumulate_as_the_eager_model():
     """Gradient accumulation (two micro-batches before zero_grad) through real replays,
     the tied embedding's gradient summed from two pieces."""
-    torch.manual_seed(0)
-    cfg = GPTConfig(block_size=64, vocab_size=128, n_layer=2, n_head=2, n_embd=64,
-                    kernels=dict.fromkeys(KERNEL_FAMILIES, True))
-    model = GPT(cfg).cuda()
-    params = list(model.parameters())
-    batches = [torch.randint(0, 128, (2, 65), device="cuda") for _ in range(2)]
+    model, params, batches = _fused_gpt(2)
     graphed = _GraphedLoss(model, batches[0][:, :-1], batches[0][:, 1:], split=True)
     model.zero_grad(set_to_none=True)
     expected = [torch.zeros_like(p) for p in params]
