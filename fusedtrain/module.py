@@ -99,6 +99,11 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float,
     return total
 
 
+def _distributed() -> bool:
+    """Whether this process is one of a torch.distributed group."""
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
 class NonFiniteLossError(RuntimeError):
     """The training loss became NaN or infinite."""
 
@@ -224,8 +229,7 @@ class GPTModule(L.LightningModule):
         graphs still read them); the graphs hold the autocast casts themselves."""
         amp = torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"),
                              enabled=torch.is_autocast_enabled("cuda"), cache_enabled=False)
-        split = torch.distributed.is_available() and torch.distributed.is_initialized() \
-            and torch.distributed.get_world_size() > 1
+        split = _distributed() and torch.distributed.get_world_size() > 1
         with amp:
             return _GraphedLoss(self.model, x.clone(), y.clone(), split)
 
@@ -235,7 +239,7 @@ class GPTModule(L.LightningModule):
         forever in a collective) and the loss are copied to pinned host memory behind an
         event, and read one step later (or before a checkpoint is written)."""
         finite = torch.isfinite(loss.detach()).float()
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
+        if _distributed():
             torch.distributed.all_reduce(finite, op=torch.distributed.ReduceOp.MIN)
         stats = torch.stack([finite, loss.detach().float()])
         if not stats.is_cuda:
