@@ -243,11 +243,14 @@ def _dkdv_blocks(dk, dv, k, v, q_src, do_src, lse_base, delta_base, offs_n, offs
         lse = tl.load(lse_base + offs_m, mask=m_ok, other=0.0)
         delta = tl.load(delta_base + offs_m, mask=m_ok, other=0.0)
         sT = tl.dot(k, tl.trans(q), input_precision=PRECISION, out_dtype=ACC) * qk_scale
+        # Both score-shaped products before the exponentials (here and in _dq_blocks): the
+        # second is then issued while the first is still running, not after the softmax
+        # (H200, gpt2's shape: dk/dv 169 -> 164 us at the tuned tile, 5% at others).
+        dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION, out_dtype=ACC)
         pT = tl.exp2(sT - lse[None, :])
         if MASKED:
             pT = tl.where(tl.trans(_visible(offs_m, offs_n, T, CAUSAL)), pT, 0.0)
         dv += tl.dot(pT.to(do.dtype), do, input_precision=PRECISION, out_dtype=ACC)
-        dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION, out_dtype=ACC)
         dsT = pT * (dpT - delta[None, :])
         dk += tl.dot(dsT.to(q.dtype), q, input_precision=PRECISION, out_dtype=ACC)
     return dk, dv
@@ -323,10 +326,10 @@ def _dq_blocks(dq, q, do, lse, delta, k_src, v_src, offs_m, offs_d, d_ok, T, qk_
         k = _load_tile(k_src, blk * BLOCK_N, offs_n, offs_d, s_kt, s_kd, n_ok, d_ok, TMA)
         v = _load_tile(v_src, blk * BLOCK_N, offs_n, offs_d, s_vt, s_vd, n_ok, d_ok, TMA)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION, out_dtype=ACC) * qk_scale
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION, out_dtype=ACC)
         p = tl.exp2(s - lse[:, None])
         if MASKED:
             p = tl.where(_visible(offs_m, offs_n, T, CAUSAL), p, 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION, out_dtype=ACC)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION, out_dtype=ACC)
     return dq
