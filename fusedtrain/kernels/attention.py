@@ -244,8 +244,9 @@ def _dkdv_blocks(dk, dv, k, v, q_src, do_src, lse_base, delta_base, offs_n, offs
         delta = tl.load(delta_base + offs_m, mask=m_ok, other=0.0)
         sT = tl.dot(k, tl.trans(q), input_precision=PRECISION, out_dtype=ACC) * qk_scale
         # Both score-shaped products before the exponentials (here and in _dq_blocks): the
-        # second is then issued while the first is still running, not after the softmax
-        # (H200, gpt2's shape: dk/dv 169 -> 164 us at the tuned tile, 5% at others).
+        # second is then issued while the first is still running, not after the softmax.
+        # H200, gpt2's causal shape: dk/dv alone 3-5% faster, the whole backward 283 ->
+        # 279 us, bit-identical (docs/perf-notes.md, twenty-eighth round).
         dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION, out_dtype=ACC)
         pT = tl.exp2(sT - lse[None, :])
         if MASKED:
