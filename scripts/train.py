@@ -20,6 +20,7 @@ from fusedtrain.config import ConfigError, build_run_config
 from fusedtrain.data import DataError, TokenDataModule
 from fusedtrain.model import GPTConfig
 from fusedtrain.module import (
+    FreezeHeapAfterWarmup,
     GPTModule,
     NonFiniteLossError,
     ProgressBar,
@@ -134,7 +135,8 @@ def train(cfg: DictConfig) -> dict:
         from lightning.pytorch.loggers import TensorBoardLogger
 
         loggers.append(TensorBoardLogger(run_dir, name="tensorboard", version=""))
-    callbacks = [throughput, checkpoints, SaveOnInterrupt(str(ckpt_dir / "last.ckpt"))]
+    callbacks = [throughput, checkpoints, SaveOnInterrupt(str(ckpt_dir / "last.ckpt")),
+                 FreezeHeapAfterWarmup(after=run.throughput_skip_steps)]
     if trainer_kwargs.get("enable_progress_bar", True):
         callbacks.append(ProgressBar(throughput,
                                      refresh_rate=trainer_kwargs.get("log_every_n_steps", 10)))

@@ -160,3 +160,18 @@ def test_kernel_report_renders_the_rows_a_gpu_run_wrote(tmp_path, capsys):
     assert (tmp_path / "k.png").stat().st_size > 0
     assert set(kernels.FAMILIES) == {"linear_gelu", "qkv", "attention", "layernorm",
                                      "cross_entropy"}
+
+
+def test_the_timed_steps_start_with_the_python_heap_frozen():
+    """A full garbage collection inside the few timed steps would be charged to the
+    variant it lands in: the benchmark freezes the heap after each variant's warm-up."""
+    import gc
+
+    from fusedtrain.bench.training import bench_train_variant, train_variants
+
+    gc.unfreeze()
+    try:
+        bench_train_variant("tiny", 2, 16, 2, 1, train_variants(False)["eager-math"], "cpu")
+        assert gc.get_freeze_count() > 1000
+    finally:
+        gc.unfreeze()

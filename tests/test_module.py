@@ -278,3 +278,39 @@ def test_clipping_in_fusedtrain_adamw_steps_as_clipping_first(scale):
         assert all(torch.equal(a.grad, g) for a, g in zip(ours, unclipped))
         for a, b in zip(ours, theirs):
             assert torch.equal(a, b)
+
+
+def test_the_python_heap_is_frozen_once_the_warm_up_steps_are_done():
+    """Python's full collections walk every tracked object (~500k once torch, Lightning
+    and the caches are loaded): after the warm-up those objects are frozen out of them."""
+    import gc
+
+    import lightning as L
+
+    from fusedtrain.module import FreezeHeapAfterWarmup
+
+    class Record(L.Callback):
+        def __init__(self):
+            self.frozen = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.frozen.append((trainer.global_step, gc.get_freeze_count()))
+
+    cfg = GPTConfig(block_size=16, vocab_size=64, n_layer=1, n_head=2, n_embd=16,
+                    kernels={"mlp": False, "qkv": False, "attention": False,
+                             "layernorm": False, "cross_entropy": False, "embedding": False})
+    tokens = torch.randint(0, 64, (10, 17), generator=torch.Generator().manual_seed(0))
+    data = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=2)
+    record = Record()
+    trainer = L.Trainer(max_steps=5, accelerator="cpu", logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False,
+                        callbacks=[FreezeHeapAfterWarmup(after=3), record],
+                        enable_model_summary=False)
+    gc.unfreeze()
+    try:
+        trainer.fit(GPTModule(cfg, OptimConfig(), max_steps=5), train_dataloaders=data)
+        assert [step for step, frozen in record.frozen if frozen == 0] == [1, 2]
+        assert all(frozen > 1000 for step, frozen in record.frozen if step >= 3)
+    finally:
+        gc.unfreeze()
