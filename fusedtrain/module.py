@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import math
@@ -379,19 +380,30 @@ class SaveOnInterrupt(L.Callback):
 
 def freeze_python_heap() -> None:
     """Collect garbage, then move every object alive now (torch, Lightning, the model,
-    Triton's and Inductor's caches: ~500k of them) out of the collector's reach, as after
-    a process's warm-up. Python's full collections walk every tracked object: on a lent
-    H200 host one took up to 287 ms, landing inside whatever step it fell in (four in 40
-    timed steps of the fused gpt2 step, none after a freeze; docs/perf-notes.md,
-    twenty-eighth round). Objects made later are collected as before; acyclic frozen ones
-    are still freed when their last reference goes."""
+    Triton's and Inductor's caches: ~500k of them) out of the collector's reach until
+    gc.unfreeze(), as after a process's warm-up. Python's full collections walk every
+    tracked object: on a lent H200 host one took up to 287 ms, landing inside whatever
+    step it fell in (four in 40 timed steps of the fused gpt2 step, none after a freeze;
+    docs/perf-notes.md, twenty-eighth round). Objects made later are collected as before;
+    frozen ones are still freed when their last reference goes, but a reference cycle
+    among them only after gc.unfreeze()."""
     gc.collect()
     gc.freeze()
 
 
+@contextlib.contextmanager
+def python_heap_frozen():
+    """freeze_python_heap() for the duration of the block."""
+    freeze_python_heap()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 class FreezeHeapAfterWarmup(L.Callback):
-    """freeze_python_heap() once, at the end of step `after` (the warm-up steps that
-    compile, autotune and build the caches that stay)."""
+    """freeze_python_heap() at the end of step `after` (the warm-up steps that compile,
+    autotune and build the caches that stay), gc.unfreeze() when training ends."""
 
     def __init__(self, after: int = 5):
         self.after = after
@@ -399,6 +411,9 @@ class FreezeHeapAfterWarmup(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_step == self.after:
             freeze_python_heap()
+
+    def on_train_end(self, trainer, pl_module):
+        gc.unfreeze()
 
 
 class ThroughputMonitor(L.Callback):

@@ -162,16 +162,28 @@ def test_kernel_report_renders_the_rows_a_gpu_run_wrote(tmp_path, capsys):
                                      "cross_entropy"}
 
 
-def test_the_timed_steps_start_with_the_python_heap_frozen():
+def test_the_timed_steps_run_with_the_python_heap_frozen(monkeypatch):
     """A full garbage collection inside the few timed steps would be charged to the
-    variant it lands in: the benchmark freezes the heap after each variant's warm-up."""
+    variant it lands in: the heap is frozen after each variant's warm-up, for its timed
+    steps only."""
     import gc
 
-    from fusedtrain.bench.training import bench_train_variant, train_variants
+    from fusedtrain.bench import training
 
+    setup, frozen = training.train_setup, []
+
+    def recording_setup(*args, **kwargs):
+        model, step, data = setup(*args, **kwargs)
+
+        def recording_step(i):
+            frozen.append(gc.get_freeze_count())
+            return step(i)
+
+        return model, recording_step, data
+
+    monkeypatch.setattr(training, "train_setup", recording_setup)
     gc.unfreeze()
-    try:
-        bench_train_variant("tiny", 2, 16, 2, 1, train_variants(False)["eager-math"], "cpu")
-        assert gc.get_freeze_count() > 1000
-    finally:
-        gc.unfreeze()
+    training.bench_train_variant("tiny", 2, 16, 3, 2,
+                                 training.train_variants(False)["eager-math"], "cpu")
+    assert frozen[:2] == [0, 0] and all(n > 1000 for n in frozen[2:]) and len(frozen) == 5
+    assert gc.get_freeze_count() == 0

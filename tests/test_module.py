@@ -280,7 +280,7 @@ def test_clipping_in_fusedtrain_adamw_steps_as_clipping_first(scale):
             assert torch.equal(a, b)
 
 
-def test_the_python_heap_is_frozen_once_the_warm_up_steps_are_done():
+def test_the_python_heap_is_frozen_from_the_end_of_the_warm_up_to_the_end_of_training():
     """Python's full collections walk every tracked object (~500k once torch, Lightning
     and the caches are loaded): after the warm-up those objects are frozen out of them."""
     import gc
@@ -312,5 +312,6 @@ def test_the_python_heap_is_frozen_once_the_warm_up_steps_are_done():
         trainer.fit(GPTModule(cfg, OptimConfig(), max_steps=5), train_dataloaders=data)
         assert [step for step, frozen in record.frozen if frozen == 0] == [1, 2]
         assert all(frozen > 1000 for step, frozen in record.frozen if step >= 3)
+        assert gc.get_freeze_count() == 0  # released when training ends
     finally:
         gc.unfreeze()

@@ -144,7 +144,7 @@ def bench_train_variant(model_name: str, batch: int, seq: int, steps: int, warmu
     """Warm-up steps (compilation, autotuning), then `steps` timed steps issued back to
     back as a training loop would: tokens/s from the wall time of the timed steps (one
     sync at each end), per-step ms from CUDA events read afterwards."""
-    from fusedtrain.module import freeze_python_heap, peak_flops
+    from fusedtrain.module import peak_flops, python_heap_frozen
 
     cuda = device == "cuda"
     if cuda:  # from before setup: a graphed variant allocates its step's memory at capture
@@ -159,22 +159,22 @@ def bench_train_variant(model_name: str, batch: int, seq: int, steps: int, warmu
             if cuda:
                 torch.cuda.synchronize()
             first_step_s = time.perf_counter() - t_step
-    freeze_python_heap()  # as a long training run would after its warm-up
-    if cuda:
-        torch.cuda.synchronize()
-        events = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
-        events[0].record()
-    t0 = time.perf_counter()
-    marks = [t0]
-    for i in range(warmup, warmup + steps):
-        losses.append(step(i))
+    with python_heap_frozen():  # as a long training run would be after its warm-up
         if cuda:
-            events[i - warmup + 1].record()
-        else:
-            marks.append(time.perf_counter())
-    if cuda:
-        torch.cuda.synchronize()
-    wall = time.perf_counter() - t0
+            torch.cuda.synchronize()
+            events = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
+            events[0].record()
+        t0 = time.perf_counter()
+        marks = [t0]
+        for i in range(warmup, warmup + steps):
+            losses.append(step(i))
+            if cuda:
+                events[i - warmup + 1].record()
+            else:
+                marks.append(time.perf_counter())
+        if cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
     times = ([a.elapsed_time(b) for a, b in zip(events, events[1:])] if cuda
              else [(b - a) * 1e3 for a, b in zip(marks, marks[1:])])
     times_t = torch.tensor(times)
