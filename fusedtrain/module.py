@@ -402,14 +402,19 @@ def python_heap_frozen():
 
 
 class FreezeHeapAfterWarmup(L.Callback):
-    """freeze_python_heap() at the end of step `after` (the warm-up steps that compile,
-    autotune and build the caches that stay), gc.unfreeze() when training ends."""
+    """freeze_python_heap() once this process has run `after` steps (the warm-up steps
+    that compile, autotune and build the caches that stay; counted from the resumed step
+    when resuming), gc.unfreeze() when training ends."""
 
     def __init__(self, after: int = 5):
         self.after = after
+        self._at: int | None = None  # the global step to freeze at
+
+    def on_train_start(self, trainer, pl_module):
+        self._at = trainer.global_step + self.after
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if trainer.global_step == self.after:
+        if trainer.global_step == self._at:
             freeze_python_heap()
 
     def on_train_end(self, trainer, pl_module):

@@ -315,3 +315,25 @@ def test_the_python_heap_is_frozen_from_the_end_of_the_warm_up_to_the_end_of_tra
         assert gc.get_freeze_count() == 0  # released when training ends
     finally:
         gc.unfreeze()
+
+
+def test_a_resumed_run_freezes_the_heap_after_its_own_warm_up_steps():
+    import gc
+
+    from fusedtrain.module import FreezeHeapAfterWarmup
+
+    freeze = FreezeHeapAfterWarmup(after=3)
+    trainer = SimpleNamespace(global_step=100)
+    freeze.on_train_start(trainer, None)
+    gc.unfreeze()
+    try:
+        counts = []
+        for step in range(101, 106):
+            trainer.global_step = step
+            freeze.on_train_batch_end(trainer, None, None, None, 0)
+            counts.append(gc.get_freeze_count() > 0)
+        assert counts == [False, False, True, True, True]
+        freeze.on_train_end(trainer, None)
+        assert gc.get_freeze_count() == 0
+    finally:
+        gc.unfreeze()
