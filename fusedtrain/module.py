@@ -404,7 +404,7 @@ def python_heap_frozen():
 class FreezeHeapAfterWarmup(L.Callback):
     """freeze_python_heap() once this process has run `after` steps (the warm-up steps
     that compile, autotune and build the caches that stay; counted from the resumed step
-    when resuming), gc.unfreeze() when training ends."""
+    when resuming), gc.unfreeze() when training ends or stops on an exception."""
 
     def __init__(self, after: int = 5):
         self.after = after
@@ -418,6 +418,9 @@ class FreezeHeapAfterWarmup(L.Callback):
             freeze_python_heap()
 
     def on_train_end(self, trainer, pl_module):
+        gc.unfreeze()
+
+    def on_exception(self, trainer, pl_module, exception):
         gc.unfreeze()
 
 

@@ -333,7 +333,7 @@ def test_a_resumed_run_freezes_the_heap_after_its_own_warm_up_steps():
             freeze.on_train_batch_end(trainer, None, None, None, 0)
             counts.append(gc.get_freeze_count() > 0)
         assert counts == [False, False, True, True, True]
-        freeze.on_train_end(trainer, None)
+        freeze.on_exception(trainer, None, KeyboardInterrupt())
         assert gc.get_freeze_count() == 0
     finally:
         gc.unfreeze()
