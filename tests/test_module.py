@@ -198,27 +198,34 @@ def test_backward_runs_with_autograd_threads_as_configured(threads):
     torch.testing.assert_close(x.grad, torch.full((3,), 2.0))
 
 
-def test_nothing_is_read_back_from_the_device_for_the_progress_bar_each_step(tmp_path):
-    """Lightning turns each metric logged with prog_bar=True into a number at every step's
-    end (a read from the GPU that stalls the host there): training logs none, and the bar
-    shows host values instead, the loss one step late and the rate with its MFU."""
+def _fit_tiny_eager(max_steps: int, callbacks: list, **trainer_kwargs):
+    """(trainer, module): a one-layer eager GPT fitted on the CPU for max_steps steps of
+    two random windows each."""
     import lightning as L
-
-    from fusedtrain.module import ProgressBar, ThroughputMonitor
 
     cfg = GPTConfig(block_size=16, vocab_size=64, n_layer=1, n_head=2, n_embd=16,
                     kernels={"mlp": False, "qkv": False, "attention": False,
                              "layernorm": False, "cross_entropy": False, "embedding": False})
-    module = GPTModule(cfg, OptimConfig(), max_steps=6)
-    tokens = torch.randint(0, 64, (12, 17), generator=torch.Generator().manual_seed(0))
+    module = GPTModule(cfg, OptimConfig(), max_steps=max_steps)
+    tokens = torch.randint(0, 64, (2 * max_steps, 17), generator=torch.Generator().manual_seed(0))
     data = torch.utils.data.DataLoader(
         torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=2)
+    trainer = L.Trainer(max_steps=max_steps, accelerator="cpu", logger=False,
+                        enable_checkpointing=False, callbacks=callbacks,
+                        enable_model_summary=False, **trainer_kwargs)
+    trainer.fit(module, train_dataloaders=data)
+    return trainer, module
+
+
+def test_nothing_is_read_back_from_the_device_for_the_progress_bar_each_step(tmp_path):
+    """Lightning turns each metric logged with prog_bar=True into a number at every step's
+    end (a read from the GPU that stalls the host there): training logs none, and the bar
+    shows host values instead, the loss one step late and the rate with its MFU."""
+    from fusedtrain.module import ProgressBar, ThroughputMonitor
+
     throughput = ThroughputMonitor(skip_steps=1, window=2)
     bar = ProgressBar(throughput, refresh_rate=1)
-    trainer = L.Trainer(max_steps=6, accelerator="cpu", logger=False,
-                        enable_checkpointing=False, callbacks=[throughput, bar],
-                        enable_model_summary=False)
-    trainer.fit(module, train_dataloaders=data)
+    trainer, module = _fit_tiny_eager(6, [throughput, bar])
     assert trainer.progress_bar_metrics == {}
     shown = bar.get_metrics(trainer, module)
     assert float(shown["loss"]) == pytest.approx(module.last_loss, rel=1e-3)
@@ -296,20 +303,10 @@ def test_the_python_heap_is_frozen_from_the_end_of_the_warm_up_to_the_end_of_tra
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             self.frozen.append((trainer.global_step, gc.get_freeze_count()))
 
-    cfg = GPTConfig(block_size=16, vocab_size=64, n_layer=1, n_head=2, n_embd=16,
-                    kernels={"mlp": False, "qkv": False, "attention": False,
-                             "layernorm": False, "cross_entropy": False, "embedding": False})
-    tokens = torch.randint(0, 64, (10, 17), generator=torch.Generator().manual_seed(0))
-    data = torch.utils.data.DataLoader(
-        torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=2)
     record = Record()
-    trainer = L.Trainer(max_steps=5, accelerator="cpu", logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False,
-                        callbacks=[FreezeHeapAfterWarmup(after=3), record],
-                        enable_model_summary=False)
     gc.unfreeze()
     try:
-        trainer.fit(GPTModule(cfg, OptimConfig(), max_steps=5), train_dataloaders=data)
+        _fit_tiny_eager(5, [FreezeHeapAfterWarmup(after=3), record], enable_progress_bar=False)
         assert [step for step, frozen in record.frozen if frozen == 0] == [1, 2]
         assert all(frozen > 1000 for step, frozen in record.frozen if step >= 3)
         assert gc.get_freeze_count() == 0  # released when training ends
