@@ -188,7 +188,7 @@ def test_a_zero_beta_steps_through_torch():
 def test_a_gradient_scale_applies_to_the_next_step_alone(options):
     """scale_gradients_in_step(s) steps as if every gradient had been multiplied by s
     first (clipping's last operation), bit for bit, and only the next step."""
-    mine, opt, scaled, opt_scaled = _params(), None, _params(), None
+    mine, scaled = _params(), _params()
     opt = AdamW([{"params": mine, "weight_decay": 0.1}], lr=1e-2, **options)
     opt_scaled = AdamW([{"params": scaled, "weight_decay": 0.1}], lr=1e-2, **options)
     s = torch.tensor(0.37, device=DEVICE)
