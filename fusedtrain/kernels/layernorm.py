@@ -42,19 +42,20 @@ MAX_C = 65536
 
 def _row_tiles(configs: list[triton.Config], named_args: dict, BLOCK_C: int, **_):
     """The (BLOCK_M rows, num_warps[, LOOP_STAGES]) candidates for rows of BLOCK_C (C
-    padded): on a GPU, tiles of up to 16K elements with up to 32 elements per thread (one
-    row of 16 warps past that) and at least 8 and 2K in the backward (4 and 1K in the
-    forward, where small tiles keep more rows in flight); a pipelined row loop only for
-    tiles of up to 8K elements (its loads are buffered in shared memory). Under the
-    interpreter, whose cost is per program, one tile of up to 64K."""
+    padded): on a GPU, tiles of 1K to 16K elements with 4 to 32 elements per thread (one
+    row of 16 warps past that); a pipelined row loop only for tiles of up to 8K elements
+    (its loads are buffered in shared memory). Under the interpreter, whose cost is per
+    program, one tile of up to 64K.
+    The backward at 16384 x 768 (padded to 1024) runs fastest on one row a tile, loads
+    issued 3 tiles ahead: 51.9 us against 56.9 at 4 rows, the best of the tiles it had
+    before (H200, twenty-ninth round of docs/perf-notes.md)."""
     looped = "LOOP_STAGES" in configs[0].kwargs
     if INTERPRET:
         rows = {"BLOCK_M": max(1, min(64, (1 << 16) // BLOCK_C))}
         return [triton.Config({**rows, "LOOP_STAGES": 1} if looped else rows)]
-    least = 8 if looped else 4
     fit = [c for c in configs
-           if 256 * least <= c.kwargs["BLOCK_M"] * BLOCK_C <= 16384
-           and least <= c.kwargs["BLOCK_M"] * BLOCK_C // (32 * c.num_warps) <= 32
+           if 1024 <= c.kwargs["BLOCK_M"] * BLOCK_C <= 16384
+           and 4 <= c.kwargs["BLOCK_M"] * BLOCK_C // (32 * c.num_warps) <= 32
            and (c.kwargs.get("LOOP_STAGES", 1) == 1 or c.kwargs["BLOCK_M"] * BLOCK_C <= 8192)]
     one_row = {"BLOCK_M": 1, "LOOP_STAGES": 1} if looped else {"BLOCK_M": 1}
     return fit or [triton.Config(one_row, num_warps=16)]
