@@ -83,13 +83,25 @@ def publish_copies(params: list[torch.Tensor], copies: list[torch.Tensor]) -> No
 
 
 def _published_copy(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
-    entry = _PUBLISHED.get(id(t))
+    """The copy published for t, or for the parameter that t views whole (an
+    autograd.Function's output that is its input returned, as the tied head's weight from
+    ops.gpt_embedding), while still fresh."""
+    param = t._base if t._is_view() and _views_whole(t, t._base) else t
+    entry = _PUBLISHED.get(id(param))
     if entry is None:
         return None
     ref, copy, version, address = entry
-    fresh = (ref() is t and copy.dtype == dtype and t._version == version
+    # A view shares its base's version counter: writes through either are seen.
+    fresh = (ref() is param and copy.dtype == dtype and t._version == version
              and t.data_ptr() == address)
     return copy if fresh else None
+
+
+def _views_whole(view: torch.Tensor, base: torch.Tensor) -> bool:
+    """Whether `view` is all of `base` as it is laid out: same elements, same order."""
+    return (view.dtype == base.dtype and view.shape == base.shape
+            and view.stride() == base.stride()
+            and view.storage_offset() == base.storage_offset())
 
 
 def _prepared_copy(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:

@@ -111,3 +111,31 @@ def test_the_fused_model_compiles_whole_under_autocast():
         ref = model.loss(idx, idx)
         got = torch.compile(model.loss, fullgraph=True, backend="aot_eager")(idx, idx)
     torch.testing.assert_close(got, ref)
+
+
+def test_the_tied_head_reads_the_optimizers_copy_of_the_token_table():
+    """ops.gpt_embedding returns the token table as a view of it (an autograd.Function's
+    input returned): the head's cast finds the copy that fusedtrain's AdamW published for
+    the table, while the table is unchanged, and not for a part of it."""
+    from fusedtrain import casts, ops
+    from fusedtrain.optim import AdamW
+
+    torch.manual_seed(0)
+    wte = torch.nn.Parameter(torch.randn(64, 32))
+    wpe = torch.nn.Parameter(torch.randn(16, 32))
+    opt = AdamW([wte, wpe], lr=1e-2)
+    wte.grad, wpe.grad = torch.randn_like(wte), torch.randn_like(wpe)
+    opt.step()
+    idx = torch.randint(0, 64, (2, 16))
+    bf16 = torch.bfloat16
+    _, head_weight = ops.gpt_embedding(idx, wte, wpe, inplace_backward=True)
+    assert head_weight is not wte and head_weight._base is wte
+    copy = cast_params(bf16, wte)[0]  # the optimizer's (the table's own lookup)
+    assert copy is casts._published_copy(wte, bf16) is not None
+    assert cast_params(bf16, head_weight)[0] is copy
+    assert casts._prepared_copy(head_weight[:8], bf16) is None  # a part of the table
+    with torch.no_grad():
+        wte.add_(1.0)  # the copy is stale for the table and for a view of it
+    _, head_weight = ops.gpt_embedding(idx, wte, wpe, inplace_backward=True)
+    fresh = cast_params(bf16, head_weight)[0]
+    assert fresh is not copy and torch.equal(fresh, wte.detach().to(bf16))
