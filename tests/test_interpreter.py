@@ -1,4 +1,5 @@
-"""Triton's CPU interpreter as the project runs it: bfloat16 tl.dot widened to fp32."""
+"""Triton's CPU interpreter as the project runs it: bfloat16 tl.dot widened to fp32, fp32 ->
+bfloat16 rounded to nearest even."""
 
 import pytest
 import torch
@@ -23,3 +24,29 @@ def test_16_bit_dot_is_fp32_sums_of_exact_products(dtype):
     c = torch.empty(16, 16)
     _dot_kernel[(1,)](a, b, c, M=16, N=16, K=32)
     torch.testing.assert_close(c, a.float() @ b.float(), rtol=1e-5, atol=1e-5)
+
+
+@triton.jit
+def _to_bf16_kernel(x_ptr, cast_ptr, stored_ptr, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    x = tl.load(x_ptr + offs)
+    tl.store(cast_ptr + offs, x.to(tl.bfloat16))
+    tl.store(stored_ptr + offs, x)  # fp32 values into bf16 memory: the same cast
+
+
+def test_fp32_to_bf16_rounds_as_torch_does():
+    """Round to nearest, ties to even, as the GPU and PyTorch do (the interpreter alone
+    truncated): ties both ways, the largest finite values, infinities, NaN, subnormals."""
+    bits = torch.tensor([0x3F808000, 0x3F818000, 0x3F807FFF, 0xBF94C5BC, 0x7F7FFFFF,
+                         0x7F7F7FFF, 0x00008000, 0x00018000, 0x80000001, 0x3EAAAAAB],
+                        dtype=torch.int64).to(torch.int32).view(torch.float32)
+    x = torch.cat([bits, torch.tensor([float("inf"), -float("inf"), 0.0, -0.0]),
+                   torch.randn(2034) * 10.0 ** torch.randint(-30, 30, (2034,))])
+    cast, stored = (torch.empty(x.shape, dtype=torch.bfloat16) for _ in range(2))
+    _to_bf16_kernel[(1,)](x, cast, stored, N=x.numel())
+    expected = x.to(torch.bfloat16)
+    assert torch.equal(cast.view(torch.int16), expected.view(torch.int16))
+    assert torch.equal(stored.view(torch.int16), expected.view(torch.int16))
+    nan, out = torch.full((2048,), float("nan")), torch.empty(2048, dtype=torch.bfloat16)
+    _to_bf16_kernel[(1,)](nan, out, out, N=2048)
+    assert out.float().isnan().all()

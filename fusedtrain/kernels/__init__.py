@@ -19,6 +19,6 @@ if not torch.cuda.is_available():
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 if INTERPRET:
-    from fusedtrain.kernels._interpreter import patch_bf16_dot
+    from fusedtrain.kernels._interpreter import patch_bf16
 
-    patch_bf16_dot()
+    patch_bf16()
