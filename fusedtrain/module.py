@@ -429,22 +429,28 @@ class ThroughputMonitor(L.Callback):
     (per device, on a known GPU), each over the last `window` steps, to the loggers; the
     latest values stay in `tokens_per_s` and `mfu` for ProgressBar.
 
-    The first `skip_steps` steps (torch.compile, Triton autotuning, allocator
-    warm-up) are left out of the rate. The device is synchronised only at window
-    boundaries (and at the last step), so the rate covers finished device work while
-    the host keeps running ahead of the GPU in between.
+    The first `skip_steps` steps of each fit (torch.compile, Triton autotuning,
+    allocator warm-up; counted from the resumed step when resuming, as this process
+    compiles and tunes again) are left out of the rate. The device is synchronised only at
+    window boundaries (and at the last step), so the rate covers finished device work
+    while the host keeps running ahead of the GPU in between.
     """
 
     def __init__(self, skip_steps: int = 5, window: int = 10):
         self.skip_steps, self.window = skip_steps, window
+        self._first = skip_steps  # the global step of the first boundary
         self._mark: tuple[float, int] | None = None  # (time, step) of the last boundary
         self.tokens_per_s: float | None = None
         self.mfu: float | None = None
 
+    def on_train_start(self, trainer, pl_module):
+        self._first = trainer.global_step + self.skip_steps
+        self._mark = None
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         step = trainer.global_step
-        if step < self.skip_steps or ((step - self.skip_steps) % self.window
-                                      and step != trainer.max_steps):
+        if step < self._first or ((step - self._first) % self.window
+                                  and step != trainer.max_steps):
             return
         if torch.cuda.is_available():
             torch.cuda.synchronize()

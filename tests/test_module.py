@@ -234,6 +234,25 @@ def test_nothing_is_read_back_from_the_device_for_the_progress_bar_each_step(tmp
     assert {"train/loss", "tokens_per_s"} <= set(trainer.callback_metrics)  # still logged
 
 
+def test_a_resumed_run_leaves_its_own_warm_up_steps_out_of_the_rate():
+    """Resumed at step 97, the process compiles and tunes again: its first window starts
+    `skip_steps` after 97, not at the first step past a multiple of the window."""
+    from fusedtrain.module import ThroughputMonitor
+
+    monitor = ThroughputMonitor(skip_steps=3, window=5)
+    trainer = SimpleNamespace(global_step=97, max_steps=122, accumulate_grad_batches=1,
+                              world_size=1)
+    logged = []
+    module = SimpleNamespace(log=lambda name, value: logged.append((trainer.global_step, name)))
+    batch = (torch.zeros(2, 8, dtype=torch.long),)
+    monitor.on_train_start(trainer, module)
+    for step in range(98, 123):
+        trainer.global_step = step
+        monitor.on_train_batch_end(trainer, module, None, batch, 0)
+    assert [step for step, name in logged if name == "tokens_per_s"] == [105, 110, 115, 120, 122]
+    assert monitor.tokens_per_s > 0
+
+
 @pytest.mark.parametrize("scale", [1e3, 1e-3])  # clipped, and left alone
 def test_clip_grad_norm_matches_torch_bit_for_bit(scale):
     from fusedtrain.module import clip_grad_norm
