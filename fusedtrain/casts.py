@@ -13,7 +13,8 @@ either way: one rounding from fp32.
 
 An optimizer that writes such copies in its own pass (fusedtrain.optim.AdamW) publishes
 them (`publish_copies`); a published copy stands in for the cast as long as its parameter
-is unchanged since (same storage, same version counter).
+is unchanged since (same storage, same version counter), under torch.compile too (through
+the op `fusedtrain::published_cast`, which looks it up at run time).
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ def publish_copies(params: list[torch.Tensor], copies: list[torch.Tensor]) -> No
         _PUBLISHED[key] = (ref, c, p._version, p.data_ptr())
 
 
-def _published_copy(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+def published_copy(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
     """The copy published for t, or for the parameter that t views whole (an
     autograd.Function's output that is its input returned, as the tied head's weight from
     ops.gpt_embedding), while still fresh."""
@@ -112,7 +113,7 @@ def _prepared_copy(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
     copy = _PREPARED.get().get(id(t))
     if copy is not None and copy.dtype == dtype:
         return copy
-    return _published_copy(t, dtype)
+    return published_copy(t, dtype)
 
 
 def cast_params(dtype: torch.dtype | None,
@@ -126,5 +127,10 @@ def cast_params(dtype: torch.dtype | None,
 
 
 def _cast(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if torch.compiler.is_compiling() and p.dtype != dtype:
+        # Traced: whether a published copy is fresh is known only when the compiled code
+        # runs, so the lookup goes into an op the compiler leaves as it is (registered by
+        # fusedtrain.ops, whose ops are the only callers here).
+        return torch.ops.fusedtrain.published_cast(p, dtype)
     copy = _prepared_copy(p, dtype)
     return copy if copy is not None else p.to(dtype)

@@ -330,16 +330,16 @@ class GPTModule(L.LightningModule):
     def _fusedtrain_adamw(self) -> tuple[bool, torch.dtype | None]:
         """(whether the fused ops step with fusedtrain.optim.AdamW, the dtype of the weight
         copies it writes). It does with fused ops on CUDA, unsharded (no copy of an FSDP
-        shard is what an op reads), and writes bf16 copies where the ops read them: run
-        uncompiled (Inductor makes its own casts) and ungraphed (the graphs hold their
-        casts, _capture) under bf16 autocast. Without copies its kernel still beats
+        shard is what an op reads), and writes bf16 copies where the ops read them: under
+        bf16 autocast, compiled or not, but not in CUDA graphs (ours and Inductor's hold
+        their casts: _capture, ops.published_cast). Without copies its kernel still beats
         AdamW(fused=True): 872 against 1006 us for GPT-2 on an H200 (docs/perf-notes.md,
         twenty-second round)."""
         sharded = "fsdp" in type(self.trainer.strategy).__name__.lower()
         if not (any(self.model.config.kernels.values()) and self._fused_adamw()
                 and not sharded):
             return False, None
-        copies = (not self.compile and not self.cuda_graph
+        copies = (not self._inductor_graphs and not self.cuda_graph
                   and str(self.trainer.precision) == "bf16-mixed")
         return True, torch.bfloat16 if copies else None
 

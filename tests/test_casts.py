@@ -131,7 +131,7 @@ def test_the_tied_head_reads_the_optimizers_copy_of_the_token_table():
     _, head_weight = ops.gpt_embedding(idx, wte, wpe, inplace_backward=True)
     assert head_weight is not wte and head_weight._base is wte
     copy = cast_params(bf16, wte)[0]  # the optimizer's (the table's own lookup)
-    assert copy is casts._published_copy(wte, bf16) is not None
+    assert copy is casts.published_copy(wte, bf16) is not None
     assert cast_params(bf16, head_weight)[0] is copy
     assert casts._prepared_copy(head_weight[:8], bf16) is None  # a part of the table
     with torch.no_grad():
@@ -139,3 +139,39 @@ def test_the_tied_head_reads_the_optimizers_copy_of_the_token_table():
     _, head_weight = ops.gpt_embedding(idx, wte, wpe, inplace_backward=True)
     fresh = cast_params(bf16, head_weight)[0]
     assert fresh is not copy and torch.equal(fresh, wte.detach().to(bf16))
+
+
+@pytest.mark.slow
+def test_compiled_fused_ops_read_the_optimizers_copies_while_fresh(monkeypatch):
+    """Under torch.compile the weights' casts go through fusedtrain::published_cast, which
+    looks the optimizer's copy up at each call: every weight of the compiled model comes
+    from its copy while the copies are fresh, and is cast anew (same loss as uncompiled)
+    once a weight changed after the optimizer's step."""
+    import fusedtrain.ops.published_cast as op_module
+    from fusedtrain.optim import AdamW
+
+    model = _tiny(dict(FUSED_LINEARS, cross_entropy=True))
+    opt = AdamW(model.parameters(), lr=1e-2)
+    idx = torch.randint(0, 64, (2, 16))
+    _loss_and_grads(model, idx)
+    opt.step()  # publishes the copies
+    found = []
+    lookup = op_module.published_copy
+    monkeypatch.setattr(op_module, "published_copy", lambda w, dtype: found.append(
+        lookup(w, dtype) is not None) or lookup(w, dtype))
+    compiled = torch.compile(model.loss, fullgraph=True, backend="aot_eager")
+
+    def losses():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return model.loss(idx, idx), compiled(idx, idx)
+
+    eager, got = losses()
+    casts_a_call = len(found)
+    # Two blocks' MLP (two weights, two biases) and QKV (weight, bias); the tied head's table.
+    assert casts_a_call == 2 * (4 + 2) + 1 and all(found)
+    torch.testing.assert_close(got, eager, rtol=0, atol=0)
+    with torch.no_grad():
+        model.transformer.h[0].mlp.c_fc.weight.add_(0.5)  # stale from here on
+    eager, got = losses()
+    assert found[casts_a_call:].count(False) == 1
+    torch.testing.assert_close(got, eager, rtol=0, atol=0)

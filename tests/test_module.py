@@ -57,7 +57,8 @@ def test_fused_adamw_only_on_cuda_and_never_under_fp16_scaling():
 @pytest.mark.parametrize("kernels, run, precision, expected", [
     ({}, "plain", "bf16-mixed", (False, None)),  # eager ops: torch's AdamW
     ({"mlp": True}, "plain", "bf16-mixed", (True, torch.bfloat16)),
-    ({"mlp": True}, "compile", "bf16-mixed", (True, None)),  # Inductor casts the weights
+    ({"mlp": True}, True, "bf16-mixed", (True, torch.bfloat16)),  # ops.published_cast
+    ({"mlp": True}, "reduce-overhead", "bf16-mixed", (True, None)),  # Inductor's graphs cast
     ({"mlp": True}, "cuda_graph", "bf16-mixed", (True, None)),  # the graphs hold casts
     ({"mlp": True}, "plain", "32-true", (True, None)),
 ])
@@ -66,7 +67,8 @@ def test_fused_ops_step_with_fusedtrain_adamw_writing_copies_where_read(
     cfg = GPTConfig(block_size=16, vocab_size=64, n_layer=1, n_head=2, n_embd=16,
                     kernels=kernels)
     monkeypatch.setattr(torch, "compile", lambda fn, mode=None: fn)
-    module = GPTModule(cfg, OptimConfig(), max_steps=10, compile=run == "compile",
+    module = GPTModule(cfg, OptimConfig(), max_steps=10,
+                       compile=run if run not in ("plain", "cuda_graph") else False,
                        cuda_graph=run == "cuda_graph")
     module.trainer = SimpleNamespace(strategy=SimpleNamespace(model=module), precision=precision)
     monkeypatch.setattr(module, "_fused_adamw", lambda: True)  # as on CUDA

@@ -10,6 +10,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fusedtrain import ops
+from fusedtrain.ops.published_cast import published_cast
 
 F64 = torch.float64
 OPS = sorted(n for n in torch._C._dispatch_get_all_op_names() if n.startswith("fusedtrain::"))
@@ -55,6 +56,8 @@ def first_calls():
         xe, head_weight = ops.gpt_embedding(torch.tensor([[1, 4, 1]]), leaf(6, C), leaf(4, C),
                                             inplace_backward=True)
         losses.append((xe @ head_weight.t()).sum())
+        # What the fused ops cast their weights with under torch.compile.
+        published_cast(leaf(4, C).detach(), torch.float32)
         sum(losses).backward()
     return mode.calls
 

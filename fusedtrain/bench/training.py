@@ -84,9 +84,10 @@ def train_setup(model_name: str, batch: int, seq: int, n_batches: int, variant: 
     graphs = mode == "reduce-overhead"
     whole_step_graph = variant.get("graph", False) and device == "cuda"
     if any(variant["kernels"].values()) and device == "cuda":
-        # fusedtrain.optim's AdamW, uncompiled also writing the bf16 weights that the fused
-        # ops read next (under torch.compile Inductor makes its own casts).
-        opt = AdamW(model.parameters(), lr=1e-4, copy_dtype=None if mode else torch.bfloat16)
+        # fusedtrain.optim's AdamW, also writing the bf16 weights that the fused ops read
+        # next (compiled too; not in Inductor's CUDA graphs, which cast in the graph).
+        opt = AdamW(model.parameters(), lr=1e-4,
+                    copy_dtype=None if graphs else torch.bfloat16)
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda",
                                 capturable=whole_step_graph)

@@ -1,6 +1,7 @@
 """The public fused ops (see DESIGN.md): each a differentiable op over Triton kernels,
 with a twin of the same name and semantics in `fusedtrain.eager`."""
 
+from fusedtrain.ops import published_cast as _published_cast  # noqa: F401 (registers the op)
 from fusedtrain.ops._registry import register_inductor_fallbacks
 from fusedtrain.ops.attention import flash_attention
 from fusedtrain.ops.cross_entropy import cross_entropy, linear_cross_entropy
