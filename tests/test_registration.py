@@ -53,9 +53,10 @@ def first_calls():
         losses.append(ops.cross_entropy(leaf(B * T, 11), torch.randint(0, 11, (B * T,))))
         losses.append(ops.linear_cross_entropy(x, leaf(11, C), torch.randint(0, 11, (B, T))))
         losses.append(ops.embedding(torch.tensor([[1, 4, 1]]), leaf(6, C)).sum())
-        xe, head_weight = ops.gpt_embedding(torch.tensor([[1, 4, 1]]), leaf(6, C), leaf(4, C),
-                                            inplace_backward=True)
-        losses.append((xe @ head_weight.t()).sum())
+        for inplace in (True, False):  # into the head's gradient, or into a new one
+            xe, head_weight = ops.gpt_embedding(torch.tensor([[1, 4, 1]]), leaf(6, C),
+                                                leaf(4, C), inplace_backward=inplace)
+            losses.append((xe @ head_weight.t()).sum())
         # What the fused ops cast their weights with under torch.compile.
         published_cast(leaf(4, C).detach(), torch.float32)
         sum(losses).backward()

@@ -59,16 +59,17 @@ def register_inductor_fallbacks() -> None:
 _LIB = torch.library.Library("fusedtrain", "DEF")
 
 
-def launcher(name: str) -> Callable[[Callable], Callable]:
+def launcher(name: str, mutates: tuple[str, ...] = ()) -> Callable[[Callable], Callable]:
     """Register fn as the op `fusedtrain::name` (schema from its type hints; opaque to
     torch.compile, visible to FlopCounterMode; no autograd formula: the public ops' autograd
     Functions call it) and return a caller; fn's first argument must be a tensor and its
-    outputs new tensors. In plain eager execution on real tensors the caller runs fn
-    directly: even the bare dispatcher costs microseconds of CPU a call, which a training
-    step pays dozens of times."""
+    outputs new tensors; it writes in place only the arguments named in `mutates`. In
+    plain eager execution on real tensors the caller runs fn directly: even the bare
+    dispatcher costs microseconds of CPU a call, which a training step pays dozens of
+    times."""
 
     def decorate(fn: Callable) -> Callable:
-        _LIB.define(name + torch.library.infer_schema(fn, mutates_args=()))
+        _LIB.define(name + torch.library.infer_schema(fn, mutates_args=mutates))
         for dispatch_key in ("CPU", "CUDA"):
             _LIB.impl(name, fn, dispatch_key)
         op = getattr(torch.ops.fusedtrain, name).default

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from fusedtrain.kernels import embedding as K
 from fusedtrain.kernels._common import stat_dtype
-from fusedtrain.ops._registry import launcher, runs_directly
+from fusedtrain.ops._registry import launcher
 from fusedtrain.ops._validate import check_index_tensor, check_same, check_tensor
 
 Tensor = torch.Tensor
@@ -98,13 +98,26 @@ def _(idx, dx, head_grad, num_rows, num_positions):
     return dx.new_empty((num_rows, C), dtype=acc), dx.new_empty((num_positions, C), dtype=acc)
 
 
+@launcher("gpt_embedding_bwd_into", mutates=("head_grad",))
+def _gpt_embedding_bwd_into(idx: Tensor, dx: Tensor, head_grad: Tensor,
+                            num_positions: int) -> Tensor:
+    """dP; dx's rows added at idx into head_grad itself (contiguous, fp32 or fp64 as
+    stat_dtype(dx)): under torch.compile Inductor then writes into the head's gradient
+    buffer instead of copying it first (a 154 MB fp32 copy at GPT-2's size)."""
+    return _gpt_embedding_grads(idx, dx, head_grad, head_grad.shape[0], num_positions)[1]
+
+
+@_gpt_embedding_bwd_into.register_fake
+def _(idx, dx, head_grad, num_positions):
+    return dx.new_empty((num_positions, dx.shape[-1]), dtype=stat_dtype(dx))
+
+
 class GPTEmbeddingFunction(torch.autograd.Function):
     """(x, head weight): the head weight is the token table itself, returned so that the
     head's gradient for it arrives in this backward, which adds the embedding's rows into
     it. With `inplace` into that (V, C) gradient itself: no (V, C) buffer of its own, and
     no second (V, C) gradient for autograd to add (on an H200 at GPT-2's size each is a
-    pass over 154 MB); only when the kernels run directly: under torch.compile and
-    dispatch modes the registered (non-mutating) launcher copies the head's gradient."""
+    pass over 154 MB), compiled too (the op declares the write)."""
 
     @staticmethod
     def forward(ctx, idx: Tensor, token_weight: Tensor, position_weight: Tensor,
@@ -120,10 +133,10 @@ class GPTEmbeddingFunction(torch.autograd.Function):
         (V, token_dtype), (P, position_dtype) = ctx.tables
         if dx is None:
             dx = idx.new_zeros((*idx.shape, head_grad.shape[1]), dtype=head_grad.dtype)
-        in_place = (ctx.inplace and head_grad is not None and runs_directly(dx)
-                    and head_grad.is_contiguous() and head_grad.dtype == stat_dtype(dx))
+        in_place = (ctx.inplace and head_grad is not None and head_grad.is_contiguous()
+                    and head_grad.dtype == stat_dtype(dx))
         if in_place:
-            dw, dpos = _gpt_embedding_grads(idx, dx, head_grad, V, P)
+            dw, dpos = head_grad, _gpt_embedding_bwd_into(idx, dx, head_grad, P)
         else:
             dw, dpos = _gpt_embedding_bwd(idx, dx, head_grad, V, P)
         return None, dw.to(token_dtype), dpos.to(position_dtype), None
