@@ -322,6 +322,22 @@ def _device_properties(device: torch.device):
     return _properties(device.index if device.index is not None else torch.cuda.current_device())
 
 
+# Host-side arithmetic for grids and block sizes. triton.cdiv and triton.next_power_of_2
+# are constexpr functions (usable in kernels too), whose calls from Python unwrap their
+# arguments: ~5 us each against 0.2, paid ~570 times a GPT-2 step (docs/perf-notes.md,
+# thirtieth round).
+
+
+def ceil_div(a: int, b: int) -> int:
+    """ceil(a / b) for positive b."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1)."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device."""
     return _device_properties(device).multi_processor_count

@@ -25,7 +25,6 @@ the CPU path, and the reference these are tested against on the GPU.
 """
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -37,7 +36,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.language.core import _aggregate as aggregate
 
-from fusedtrain.kernels._common import sm_count
+from fusedtrain.kernels._common import ceil_div, sm_count
 from fusedtrain.kernels._tma import enable_device_descriptors
 
 # Tiles: 128 x 128 per consumer (a 128-register fp32 accumulator in each of its 128
@@ -57,7 +56,7 @@ ACC_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_ct
 def launch(kernel, M: int, N: int, device: torch.device, *args, **constexprs) -> None:
     """One CTA per SM (at most one per output tile) of 4 + 4 + 1 warps."""
     enable_device_descriptors()
-    tiles = triton.cdiv(M, BM.value) * triton.cdiv(N, BN.value)
+    tiles = ceil_div(M, BM.value) * ceil_div(N, BN.value)
     kernel[(min(tiles, sm_count(device)),)](*args, **constexprs, num_warps=4,
                                             maxnreg=_MAXNREG)
 

@@ -37,9 +37,11 @@ import triton.language as tl
 from fusedtrain.kernels._common import (
     autotune,
     cdiv,
+    ceil_div,
     device_fn,
     dot_precision,
     l2_cache_bytes,
+    next_pow2,
     row_max,
     row_sum,
     stat_dtype,
@@ -438,14 +440,14 @@ def _heads_per_group(q: torch.Tensor, causal: bool) -> int:
 
 def _common_args(q: torch.Tensor, softmax_scale: float):
     B, H, T, D = q.shape
-    block_d = max(16, triton.next_power_of_2(D))
+    block_d = max(16, next_pow2(D))
     acc = tl.float64 if q.dtype == torch.float64 else tl.float32
     return B, H, T, D, block_d, acc, softmax_scale * LOG2E
 
 
 def _grid(blocks_of: str, T: int, BH: int):
     """One program per (block, batch*head), in one grid dimension (see _schedule)."""
-    return lambda meta: (triton.cdiv(T, meta[blocks_of]) * BH,)
+    return lambda meta: (ceil_div(T, meta[blocks_of]) * BH,)
 
 
 def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
@@ -458,7 +460,7 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     lse = torch.empty((B, H, T), device=q.device,
                       dtype=stat_dtype(q))
     _attn_fwd_kernel[_grid("BLOCK_M", T, B * H)](
-        q, k, v, o, lse, qk_scale, H, T, D, triton.next_power_of_2(T), B * H,
+        q, k, v, o, lse, qk_scale, H, T, D, next_pow2(T), B * H,
         _heads_per_group(q, causal),
         *q.stride(), *k.stride(), *v.stride(), *o.stride(),
         CAUSAL=causal, ACC=acc, PRECISION=dot_precision(q), BLOCK_D=block_d,
@@ -500,9 +502,9 @@ def attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
     grads = grad_buffer(q)
     dq, dk, dv = grads.unbind(0)
     bias_sums = bias_grad_dtype is not None
-    parts = (torch.empty((B * triton.cdiv(T, BIAS_GRAIN), 3 * H * D), device=q.device,
+    parts = (torch.empty((B * ceil_div(T, BIAS_GRAIN), 3 * H * D), device=q.device,
                          dtype=stat_dtype(q)) if bias_sums else delta)  # delta: not written
-    args = (qk_scale, softmax_scale, H, T, D, triton.next_power_of_2(T), B * H,
+    args = (qk_scale, softmax_scale, H, T, D, next_pow2(T), B * H,
             _heads_per_group(q, causal),
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride())
     meta = dict(CAUSAL=causal, ACC=acc, PRECISION=dot_precision(q), BLOCK_D=block_d,

@@ -21,7 +21,15 @@ import triton
 import triton.language as tl
 
 from fusedtrain.kernels import INTERPRET
-from fusedtrain.kernels._common import acc_dtype, device_fn, row_sum, sm_count, stat_dtype
+from fusedtrain.kernels._common import (
+    acc_dtype,
+    ceil_div,
+    device_fn,
+    next_pow2,
+    row_sum,
+    sm_count,
+    stat_dtype,
+)
 from fusedtrain.kernels._launch import fast_launch
 
 # A (BLOCK_M, BLOCK_N) tile of 8K elements, 32 per thread at 8 warps: 16 KB of bf16 per
@@ -66,18 +74,18 @@ def bias_grad(g: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor
     if M <= _SHORT:
         # Few rows (a buffer of partial sums, this function's own included): one program per
         # narrow column block reads whole columns, and its row is the result.
-        block_n = min(32, triton.next_power_of_2(N))
+        block_n = min(32, next_pow2(N))
         programs = 1
     else:
-        block_n = min(256, triton.next_power_of_2(N))
+        block_n = min(256, next_pow2(N))
         # About four programs per SM in all (a few under the interpreter), each with rows.
-        wanted = 4 if INTERPRET else max(1, 4 * sm_count(g.device) // triton.cdiv(N, block_n))
-        programs = max(1, min(wanted, triton.cdiv(M, _TILE // block_n)))
-    block_m = min(_TILE // block_n, triton.next_power_of_2(max(M, 1)))
+        wanted = 4 if INTERPRET else max(1, 4 * sm_count(g.device) // ceil_div(N, block_n))
+        programs = max(1, min(wanted, ceil_div(M, _TILE // block_n)))
+    block_m = min(_TILE // block_n, next_pow2(max(M, 1)))
     last = programs == 1
     parts = torch.empty((programs, N), device=g.device,
                         dtype=(dtype or stat_dtype(g)) if last else stat_dtype(g))
-    _column_sums_kernel[(programs, triton.cdiv(N, block_n))](
+    _column_sums_kernel[(programs, ceil_div(N, block_n))](
         g, parts, M, N, g.stride(0), ACC=acc_dtype(g), BLOCK_M=block_m, BLOCK_N=block_n,
         num_warps=_WARPS)
     return parts[0] if last else bias_grad(parts, dtype)

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from fusedtrain.kernels import INTERPRET
-from fusedtrain.kernels._common import acc_dtype, device_fn, row_max, row_sum, stat_dtype
+from fusedtrain.kernels._common import acc_dtype, ceil_div, device_fn, row_max, row_sum, stat_dtype
 from fusedtrain.kernels._launch import fast_launch
 from fusedtrain.kernels._tma import ws_ok
 
@@ -118,7 +118,7 @@ def scaled(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     x = x.contiguous()
     y = torch.empty_like(x)
     block = 1024 if INTERPRET else 4096
-    _scale_kernel[(triton.cdiv(x.numel(), block),)](x, s, y, x.numel(), ACC=acc_dtype(x),
+    _scale_kernel[(ceil_div(x.numel(), block),)](x, s, y, x.numel(), ACC=acc_dtype(x),
                                                     BLOCK=block, num_warps=4)
     return y
 

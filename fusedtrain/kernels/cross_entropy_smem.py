@@ -20,12 +20,11 @@ against on the GPU.
 from dataclasses import dataclass
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
-from fusedtrain.kernels._common import sm_count
+from fusedtrain.kernels._common import ceil_div, sm_count
 from fusedtrain.kernels._launch import fast_launch
 from fusedtrain.kernels._tma import enable_device_descriptors, ws_ok
 
@@ -46,7 +45,7 @@ class _Shape:
     ctas_per_sm: int
 
     def boxes(self, V: int) -> int:
-        return triton.cdiv(V // W.value, self.box)
+        return ceil_div(V // W.value, self.box)
 
     def fits(self, V: int, element_size: int) -> bool:
         row_bytes = self.boxes(V) * self.box * W.value * element_size

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fusedtrain.kernels._common import stat_dtype
+from fusedtrain.kernels._common import ceil_div, stat_dtype
 from fusedtrain.kernels._launch import fast_launch
 
 # 16 tokens x 256 columns a program: 4K elements, 16 per thread at 8 warps (each with its
@@ -77,7 +77,7 @@ def _embedding_bwd_kernel(idx_ptr, dy_ptr, dw_ptr, dpos_ptr, N, C, T, V, s_dy, s
 
 
 def _grid(N: int, C: int) -> tuple[int, int]:
-    return triton.cdiv(N, _BLOCK_T), triton.cdiv(C, _BLOCK_C)
+    return ceil_div(N, _BLOCK_T), ceil_div(C, _BLOCK_C)
 
 
 def embedding_fwd(idx: torch.Tensor, weight: torch.Tensor,

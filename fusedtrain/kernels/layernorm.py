@@ -25,11 +25,13 @@ from fusedtrain.kernels import INTERPRET
 from fusedtrain.kernels._common import (
     acc_dtype,
     cached_autotune,
+    ceil_div,
     device_fn,
     gelu,
     gelu_grad,
     gelu_mode,
     graph_timed,
+    next_pow2,
     row_sum,
     sm_count,
     stat_dtype,
@@ -279,7 +281,7 @@ def _row_chunks(C: int, gelu: bool) -> dict:
     chunk = C & -C  # the largest power of two dividing C
     if gelu and chunk != C and chunk >= 256 and C // chunk <= 7:
         return {"BLOCK_C": chunk, "N_CHUNKS": C // chunk}
-    return {"BLOCK_C": triton.next_power_of_2(C), "N_CHUNKS": 1}
+    return {"BLOCK_C": next_pow2(C), "N_CHUNKS": 1}
 
 
 def _gelu_code(approximate: str | None, out: torch.Tensor) -> int:
@@ -307,7 +309,7 @@ def layer_norm_fwd(x: torch.Tensor, residual: torch.Tensor | None, weight: torch
     s = torch.empty((M, C) if residual is not None else (0, C), device=x.device,
                     dtype=stream_dtype)
     strides = (x2.stride(0), r2.stride(0), y.stride(0), s.stride(0) if residual is not None else 0)
-    _ln_fwd_kernel[lambda meta: (triton.cdiv(M, meta["BLOCK_M"]),)](
+    _ln_fwd_kernel[lambda meta: (ceil_div(M, meta["BLOCK_M"]),)](
         x2, x_bias if x_bias is not None else x2, r2, weight if weight is not None else x2,
         bias if bias is not None else x2, y, s if residual is not None else y, mean, rstd,
         M, C, eps, *strides, HAS_XB=x_bias is not None, HAS_RES=residual is not None,
@@ -352,7 +354,7 @@ def layer_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | Non
     M = x2.shape[0]
     dx = torch.empty((M, C), device=x.device, dtype=dx_dtype)
     dx2 = None if dx2_dtype is None else torch.empty_like(dx, dtype=dx2_dtype)
-    block_c = triton.next_power_of_2(C)
+    block_c = next_pow2(C)
     G = _num_programs(M, block_c, x.device)
     part_dtype = stat_dtype(x)
     n_sums = 3 if dx_sums else 2

@@ -32,6 +32,7 @@ from fusedtrain.kernels._common import (
     acc_dtype,
     autotune,
     cdiv,
+    ceil_div,
     device_fn,
     gelu,
     gelu_grad,
@@ -279,7 +280,7 @@ _GELU_BWD_TILE = (64, 128)
 
 
 def _gemm_grid(M: int, N: int):
-    return lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
+    return lambda meta: (ceil_div(M, meta["BLOCK_M"]) * ceil_div(N, meta["BLOCK_N"]),)
 
 
 def linear_gelu_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -304,7 +305,7 @@ def linear_gelu_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         return y, h
     if tma_ok(x, weight, y):
         cfg = config or tma_config(N)
-        tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
+        tiles = ceil_div(M, cfg.block_m) * ceil_div(N, cfg.block_n)
         launch(_linear_gelu_fwd_tma_kernel, tiles, x.device,
                x, weight, b_arg, y, h_arg, M, N, K,
                x.stride(0), weight.stride(0), y.stride(0), h_arg.stride(0), config=cfg, **flags)
@@ -319,7 +320,7 @@ def linear_gelu_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 def _tile_column_sums(dh: torch.Tensor, block_m: int) -> torch.Tensor:
     """The buffer of dh's column sums per block_m rows that a dGELU kernel writes:
     (cdiv(M, block_m), N) in dh's statistics dtype (fp32; fp64 for fp64)."""
-    return torch.empty((triton.cdiv(dh.shape[0], block_m), dh.shape[1]), device=dh.device,
+    return torch.empty((ceil_div(dh.shape[0], block_m), dh.shape[1]), device=dh.device,
                        dtype=stat_dtype(dh))
 
 
@@ -345,7 +346,7 @@ def matmul_dgelu(dy: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, approximat
         return dh, bias_grad(parts, sums_dtype) if col_sums else None
     if tma_ok(dy, w2, h):
         cfg = config or tma_config(N)
-        tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
+        tiles = ceil_div(M, cfg.block_m) * ceil_div(N, cfg.block_n)
         parts = _tile_column_sums(dh, cfg.block_m) if col_sums else dh  # dh: never written
         launch(_matmul_dgelu_tma_kernel, tiles, dy.device, dy, w2, h, dh, parts, M, N, K,
                dy.stride(0), w2.stride(0), h.stride(0), dh.stride(0), config=cfg,
@@ -374,11 +375,11 @@ def matmul_gelu_rhs(dy: torch.Tensor, h: torch.Tensor, approximate: str,
     # is TMA-aligned too.
     use_tma = tma_ok(dy, h) and dy.dtype == h.dtype
     cfg = config or tma_config(M)
-    tiles = (triton.cdiv(N, cfg.block_m) * triton.cdiv(M, cfg.block_n) if use_tma
-             else triton.cdiv(M, 128) * triton.cdiv(N, 128))
+    tiles = (ceil_div(N, cfg.block_m) * ceil_div(M, cfg.block_n) if use_tma
+             else ceil_div(M, 128) * ceil_div(N, 128))
     splits = splits or k_splits(tiles, K, dy.device, cfg.per_sm if use_tma else 1)
-    k_split = triton.cdiv(triton.cdiv(K, splits), 128) * 128  # a multiple of any BLOCK_K
-    splits = triton.cdiv(K, k_split)
+    k_split = ceil_div(ceil_div(K, splits), 128) * 128  # a multiple of any BLOCK_K
+    splits = ceil_div(K, k_split)
     stream_k = use_tma and splits > 1 and not torch.are_deterministic_algorithms_enabled()
     out_dtype = out_dtype or dy.dtype
     part_dtype = out_dtype if splits == 1 else stat_dtype(dy)
@@ -414,7 +415,7 @@ def gelu_bwd(dy: torch.Tensor, h: torch.Tensor, approximate: str,
     block_m, block_n = _GELU_BWD_TILE
     col_sums = sums_dtype is not None
     parts = _tile_column_sums(dh, block_m) if col_sums else dh  # dh: never written as parts
-    _gelu_bwd_kernel[(triton.cdiv(M, block_m), triton.cdiv(N, block_n))](
+    _gelu_bwd_kernel[(ceil_div(M, block_m), ceil_div(N, block_n))](
         dy, h, dh, parts, M, N, dy.stride(0), h.stride(0), dh.stride(0), COL_SUMS=col_sums,
         APPROX=gelu_mode(approximate, h), ACC=acc_dtype(h), BLOCK_M=block_m, BLOCK_N=block_n,
         num_warps=8)

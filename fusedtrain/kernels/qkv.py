@@ -25,6 +25,7 @@ from fusedtrain.kernels._common import (
     WIDE_GEMM,
     autotune,
     cdiv,
+    ceil_div,
     device_fn,
     gemm_configs,
     gemm_flags,
@@ -343,7 +344,7 @@ def qkv_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n_
                 qkv_ws.qkv_fwd(x.reshape(M, C), weight, bias, q, k, v)
                 return q, k, v
         cfg = config or tma_config(C)
-        tiles = triton.cdiv(M, cfg.block_m) * 3 * triton.cdiv(C, cfg.block_n)
+        tiles = ceil_div(M, cfg.block_m) * 3 * ceil_div(C, cfg.block_n)
         head_store = (T % cfg.block_m == 0 and C % cfg.block_n == 0
                       and D in (cfg.block_n // 2, cfg.block_n // 4))
         launch(_qkv_fwd_tma_kernel, tiles, x.device, x, weight, b_arg, q, k, v, M, C, T,
@@ -351,7 +352,7 @@ def qkv_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n_
                HEAD_D=D if head_store else 0, **flags)
         return q, k, v
     grid = lambda meta: (  # noqa: E731
-        triton.cdiv(M, meta["BLOCK_M"]) * 3 * triton.cdiv(C, meta["BLOCK_N"]),)
+        ceil_div(M, meta["BLOCK_M"]) * 3 * ceil_div(C, meta["BLOCK_N"]),)
     _qkv_fwd_kernel[grid](x, weight, b_arg, q, k, v, M, C, T, D,
                           *x.stride(), *weight.stride(), *q.stride(), **flags)
     return q, k, v
@@ -368,12 +369,12 @@ def qkv_dx(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, weight: torch.T
     cfg = config or tma_config(C)
     if (tma_ok(dq, dk, dv, weight) and dq.is_contiguous() and T % cfg.block_m == 0
             and D % cfg.block_k == 0):
-        tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(C, cfg.block_n)
+        tiles = ceil_div(M, cfg.block_m) * ceil_div(C, cfg.block_n)
         launch(_qkv_dx_tma_kernel, tiles, dq.device, dq, dk, dv, weight, dx, M, C, T, H, D,
                weight.stride(0), dx.stride(1), config=cfg, **flags)
         return dx
     grid = lambda meta: (  # noqa: E731
-        triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(C, meta["BLOCK_N"]),)
+        ceil_div(M, meta["BLOCK_M"]) * ceil_div(C, meta["BLOCK_N"]),)
     _qkv_dx_kernel[grid](
         dq, dk, dv, weight, dx, M, C, T, H, D, *dq.stride(), *weight.stride(), *dx.stride(),
         **flags)
@@ -391,7 +392,7 @@ def qkv_dw(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, x: torch.Tensor
     M = B * T
     dw = torch.empty((3 * C, C), device=dq.device, dtype=out_dtype or dq.dtype)
     cfg = config or tma_config(C)
-    tiles = 3 * triton.cdiv(C, cfg.block_m) * triton.cdiv(C, cfg.block_n)
+    tiles = 3 * ceil_div(C, cfg.block_m) * ceil_div(C, cfg.block_n)
     if (tma_ok(dq, dk, dv, x) and dq.is_contiguous() and cfg.block_m == D
             and T % cfg.block_k == 0 and (B == 1 or x.stride(0) == T * x.stride(1))
             and k_splits(tiles, M, dq.device, cfg.per_sm) == 1):
@@ -399,7 +400,7 @@ def qkv_dw(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, x: torch.Tensor
                x.stride(1), dw.stride(0), config=cfg, **gemm_flags(dq))
         return dw
     grid = lambda meta: (  # noqa: E731
-        3 * triton.cdiv(C, meta["BLOCK_M"]) * triton.cdiv(C, meta["BLOCK_N"]),)
+        3 * ceil_div(C, meta["BLOCK_M"]) * ceil_div(C, meta["BLOCK_N"]),)
     _qkv_dw_kernel[grid](
         dq, dk, dv, x, dw, B * T, C, B, T, D, *dq.stride(), *x.stride(), *dw.stride(),
         **gemm_flags(dq),
