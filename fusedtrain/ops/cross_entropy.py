@@ -45,17 +45,20 @@ def _(logits, targets, lse, g, ignore_index):
     return logits.new_empty(logits.shape)
 
 
-@launcher("cross_entropy_fwd_grad")
-def _cross_entropy_fwd_grad(logits: Tensor, targets: Tensor,
-                            ignore_index: int) -> tuple[Tensor, Tensor, Tensor]:
-    return K.cross_entropy_fwd_grad(logits, targets, ignore_index)
+@launcher("cross_entropy_fwd_grad_into", mutates=("logits",))
+def _cross_entropy_fwd_grad_into(logits: Tensor, targets: Tensor,
+                                 ignore_index: int) -> tuple[Tensor, Tensor]:
+    """(loss per row, count of rows not ignored); the mean loss's gradient written over the
+    logits. Declared as a write, so that under torch.compile Inductor too writes it into
+    the logits' buffer rather than a second one (1.6 GB at GPT-2's 16 x 1024 tokens)."""
+    losses, count, _ = K.cross_entropy_fwd_grad(logits, targets, ignore_index, inplace=True)
+    return losses, count
 
 
-@_cross_entropy_fwd_grad.register_fake
+@_cross_entropy_fwd_grad_into.register_fake
 def _(logits, targets, ignore_index):
-    M = logits.shape[0]
-    return (logits.new_empty(M, dtype=stat_dtype(logits)),
-            targets.new_empty((), dtype=torch.int64), logits.new_empty(logits.shape))
+    return (logits.new_empty(logits.shape[0], dtype=stat_dtype(logits)),
+            targets.new_empty((), dtype=torch.int64))
 
 
 @register_flop_formula(torch.ops.fusedtrain.cross_entropy_fwd)
@@ -148,12 +151,9 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         if not any(ctx.needs_input_grad[:2]):
             losses, _ = _cross_entropy_fwd(logits, targets, ignore_index)
             return losses.sum() / (targets != ignore_index).sum()
-        if runs_directly(logits):  # the logits are this op's own: overwritten in place
-            losses, count, dlogits = K.cross_entropy_fwd_grad(logits, targets, ignore_index,
-                                                              inplace=True)
-        else:
-            losses, count, dlogits = _cross_entropy_fwd_grad(logits, targets, ignore_index)
-        ctx.save_for_backward(x2, weight, dlogits)
+        # The logits are this op's own: their gradient is written over them.
+        losses, count = _cross_entropy_fwd_grad_into(logits, targets, ignore_index)
+        ctx.save_for_backward(x2, weight, logits)
         ctx.x_shape = x.shape
         return losses.sum() / count
 
