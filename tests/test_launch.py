@@ -155,22 +155,3 @@ class _Spy:
         self.calls.append(grid)
         return self.kernel[grid]
 
-
-@pytest.mark.gpu
-def test_tma_scratch_is_kept_per_stream_and_fresh_under_capture():
-    """kernels._tma's scratch allocator hands a stream the buffer it kept for it (larger
-    when asked), another stream its own, and a graph being captured memory of its own."""
-    from fusedtrain.kernels._tma import _scratch
-
-    stream = torch.cuda.current_stream()
-    first = _scratch(256, 128, stream.cuda_stream)
-    assert _scratch(128, 128, stream.cuda_stream) is first
-    bigger = _scratch(4096, 128, stream.cuda_stream)
-    assert bigger.numel() >= 4096 and _scratch(256, 128, stream.cuda_stream) is bigger
-    side = torch.cuda.Stream()
-    assert _scratch(256, 128, side.cuda_stream).data_ptr() != bigger.data_ptr()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=side):
-        captured = _scratch(256, 128, side.cuda_stream)
-    assert captured.data_ptr() not in (bigger.data_ptr(), _scratch(8, 128, side.cuda_stream)
-                                       .data_ptr())

@@ -130,21 +130,10 @@ def k_splits(tiles: int, K: int, device: torch.device, per_sm: int = 1) -> int:
                key=lambda s: (ceil_div(tiles * s, programs) / s, s))
 
 
-_SCRATCH: dict[int, torch.Tensor] = {}  # stream -> the scratch buffer last handed out there
-
-
 def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
-    """Scratch memory for one launch (where the kernel writes its descriptors). One buffer
-    per stream, kept: the kernels of a stream run one after another, so this is what the
-    caching allocator would hand back (the block the stream's last launch freed), without
-    its host time (5-10 us a call on the lent hosts, ~85 calls a GPT-2 step). Not while a
-    CUDA graph is captured, whose memory comes from the graph's own pool."""
-    if stream is None or torch.cuda.is_current_stream_capturing():
-        return torch.empty(size, device="cuda", dtype=torch.int8)
-    buf = _SCRATCH.get(stream)
-    if buf is None or buf.numel() < size or buf.device.index != torch.cuda.current_device():
-        buf = _SCRATCH[stream] = torch.empty(size, device="cuda", dtype=torch.int8)
-    return buf
+    # Not kept for the next launch: in Inductor's CUDA-graph warm-up (reduce-overhead) it
+    # would be a live allocation in the graph's pool (docs/perf-notes.md, thirtieth round).
+    return torch.empty(size, device="cuda", dtype=torch.int8)
 
 
 def enable_device_descriptors() -> None:
