@@ -19,7 +19,8 @@ from fusedtrain.ops._registry import launcher
 
 @launcher("published_cast")
 def published_cast(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """weight in `dtype`: the copy published for it while fresh, else a cast.
+    """weight in `dtype`: the copy published for it while fresh (the optimizer's own
+    tensor, not a new one: the compiled code only reads it), else a cast.
 
     Not while a CUDA graph is being captured (Inductor's reduce-overhead mode): a replay
     reads the addresses captured without looking the copy up again, so it could read a
