@@ -108,8 +108,11 @@ def _views_whole(view: torch.Tensor, base: torch.Tensor) -> bool:
 def _prepared_copy(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
     """grouped_casts' copy of t in `dtype`, if the block being run holds one, else a
     published one still fresh."""
-    if torch.compiler.is_compiling():
-        return None
+    return None if torch.compiler.is_compiling() else _held_copy(t, dtype)
+
+
+def _held_copy(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """_prepared_copy's lookup, outside torch.compile."""
     copy = _PREPARED.get().get(id(t))
     if copy is not None and copy.dtype == dtype:
         return copy
@@ -127,10 +130,10 @@ def cast_params(dtype: torch.dtype | None,
 
 
 def _cast(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    if torch.compiler.is_compiling() and p.dtype != dtype:
+    if torch.compiler.is_compiling():
         # Traced: whether a published copy is fresh is known only when the compiled code
         # runs, so the lookup goes into an op the compiler leaves as it is (registered by
         # fusedtrain.ops, whose ops are the only callers here).
-        return torch.ops.fusedtrain.published_cast(p, dtype)
-    copy = _prepared_copy(p, dtype)
+        return p if p.dtype == dtype else torch.ops.fusedtrain.published_cast(p, dtype)
+    copy = _held_copy(p, dtype)
     return copy if copy is not None else p.to(dtype)
