@@ -105,6 +105,13 @@ def layer_norm(
     return F.layer_norm(x, x.shape[-1:], weight, bias, eps)
 
 
+def layer_norm_stream(
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float = 1e-5
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(layer_norm(x), x): x passes through as the residual stream.  x: (..., C)."""
+    return layer_norm(x, weight, bias, eps), x
+
+
 def add_layer_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None,
     bias: torch.Tensor | None, eps: float = 1e-5, x_bias: torch.Tensor | None = None,

@@ -45,7 +45,7 @@ class ResidualLayerNorm(nn.Module):
         if delta is None:
             if delta_bias is not None:
                 raise ValueError("delta_bias given without delta")
-            return impl.layer_norm(stream, self.weight, self.bias, self.eps), stream
+            return impl.layer_norm_stream(stream, self.weight, self.bias, self.eps)
         return impl.add_layer_norm(delta, stream, self.weight, self.bias, self.eps, delta_bias)
 
 

@@ -39,6 +39,15 @@ def test_gradcheck_add_layer_norm_with_x_bias():
                      (x, r, w, b, xb), fast_mode=True)
 
 
+def test_gradcheck_layer_norm_stream():
+    """x passes through as the second output; its gradient there is added by the
+    LayerNorm's backward pass."""
+    x, w, b = _inputs((3, 5, 13))
+    y, s = ops.layer_norm_stream(x, w, b)
+    assert torch.equal(s, x) and torch.equal(y, ops.layer_norm(x, w, b))
+    assert gradcheck(ops.layer_norm_stream, (x, w, b), fast_mode=True)
+
+
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
 def test_gradcheck_layer_norm_gelu(approximate):
     assert gradcheck(lambda *a: ops.layer_norm_gelu(*a, approximate=approximate),
@@ -46,7 +55,8 @@ def test_gradcheck_layer_norm_gelu(approximate):
 
 
 @pytest.mark.parametrize("C", [1023, 1500, 4095, 768, 1280])  # the last two: chunked rows
-@pytest.mark.parametrize("op", ["layer_norm", "add_layer_norm", "layer_norm_gelu"])
+@pytest.mark.parametrize("op", ["layer_norm", "layer_norm_stream", "add_layer_norm",
+                                "layer_norm_gelu"])
 def test_fp32_accuracy_large_mean(C, op):
     inputs = list(_inputs((37, C), dtype=torch.float32, mean=1e3))
     if op == "add_layer_norm":

@@ -6,7 +6,12 @@ from fusedtrain.ops._registry import register_inductor_fallbacks
 from fusedtrain.ops.attention import flash_attention
 from fusedtrain.ops.cross_entropy import cross_entropy, linear_cross_entropy
 from fusedtrain.ops.embedding import embedding, gpt_embedding
-from fusedtrain.ops.layernorm import add_layer_norm, layer_norm, layer_norm_gelu
+from fusedtrain.ops.layernorm import (
+    add_layer_norm,
+    layer_norm,
+    layer_norm_gelu,
+    layer_norm_stream,
+)
 from fusedtrain.ops.linear import linear
 from fusedtrain.ops.linear_gelu import fused_mlp, linear_gelu
 from fusedtrain.ops.qkv import qkv_projection
@@ -14,6 +19,7 @@ from fusedtrain.ops.qkv_attention import qkv_attention
 
 __all__ = [
     "add_layer_norm", "cross_entropy", "embedding", "flash_attention", "fused_mlp",
-    "gpt_embedding", "layer_norm", "layer_norm_gelu", "linear", "linear_cross_entropy",
-    "linear_gelu", "qkv_attention", "qkv_projection", "register_inductor_fallbacks",
+    "gpt_embedding", "layer_norm", "layer_norm_gelu", "layer_norm_stream", "linear",
+    "linear_cross_entropy", "linear_gelu", "qkv_attention", "qkv_projection",
+    "register_inductor_fallbacks",
 ]

@@ -69,23 +69,26 @@ def _param_grads(sums: Tensor, weight: Tensor | None, bias: Tensor | None):
 
 
 class LayerNormFunction(torch.autograd.Function):
-    """y = [gelu](layer_norm(x)); saves x, mean and rstd only."""
+    """y = [gelu](layer_norm(x)); saves x, mean and rstd only. With `stream`, (y, x): x
+    also passes through (a residual stream), and the gradient that reaches it there comes
+    into this backward, whose one pass adds it to dx (as add_layer_norm's does): no
+    separate add of x's two (..., C) gradients."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, eps: float, approximate: str, out_dtype: torch.dtype,
-                save_stats: bool):
+                save_stats: bool, stream: bool = False):
         y, _, mean, rstd = _layer_norm_fwd(
             x, None, weight, bias, eps, approximate, out_dtype, x.dtype, save_stats)
         ctx.save_for_backward(x, weight, bias, mean, rstd)
         ctx.approximate = approximate
-        return y
+        return (y, x) if stream else y
 
     @staticmethod
-    def backward(ctx, dy):
+    def backward(ctx, dy, ds=None):
         x, weight, bias, mean, rstd = ctx.saved_tensors
         dx, sums = _layer_norm_bwd(
-            dy, x, weight, bias, mean, rstd, None, ctx.approximate, x.dtype, None)
-        return (dx, *_param_grads(sums, weight, bias), None, None, None, None)
+            dy, x, weight, bias, mean, rstd, ds, ctx.approximate, x.dtype, None)
+        return (dx, *_param_grads(sums, weight, bias), None, None, None, None, None)
 
 
 class AddLayerNormFunction(torch.autograd.Function):
@@ -155,6 +158,18 @@ def layer_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None,
         return eager.layer_norm(x, weight, bias, eps).to(out_dtype)
     return LayerNormFunction.apply(x, weight, bias, eps, "", out_dtype,
                                    backward_wanted(x, weight, bias))
+
+
+def layer_norm_stream(x: Tensor, weight: Tensor | None, bias: Tensor | None,
+                      eps: float = 1e-5) -> tuple[Tensor, Tensor]:
+    """(layer_norm(x), x): a pre-LN block's first LayerNorm when nothing is added to the
+    residual stream x before it (GPT's first block). The same values as layer_norm and x;
+    in backward the gradient of the returned x is added by the LayerNorm's pass."""
+    out_dtype = _check(x, weight, bias, eps)
+    if x.numel() == 0:
+        return eager.layer_norm(x, weight, bias, eps).to(out_dtype), x
+    return LayerNormFunction.apply(x, weight, bias, eps, "", out_dtype,
+                                   backward_wanted(x, weight, bias), True)
 
 
 def add_layer_norm(x: Tensor, residual: Tensor, weight: Tensor | None, bias: Tensor | None,
