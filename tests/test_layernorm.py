@@ -202,7 +202,8 @@ def test_bad_inputs():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("M,C", [(16384, 768), (4096, 4096), (1000, 1500)])
-@pytest.mark.parametrize("op", ["layer_norm", "add_layer_norm", "layer_norm_gelu"])
+@pytest.mark.parametrize("op", ["layer_norm", "layer_norm_stream", "add_layer_norm",
+                                "layer_norm_gelu"])
 def test_gpu_bf16_accuracy(M, C, op):
     inputs = [t.detach().cuda().bfloat16().requires_grad_()
               for t in _inputs((M, C), dtype=torch.float32)]
@@ -231,6 +232,24 @@ def test_gpu_add_layer_norm_x_bias_under_autocast(M, C):
         return run
     check_against_oracle(under_autocast(ops.add_layer_norm), under_autocast(eager.add_layer_norm),
                          [x, r, w, b, xb], 1e-2, 1e-2, "add_layer_norm x_bias autocast")
+
+
+@pytest.mark.gpu
+def test_gpu_layer_norm_stream_under_autocast():
+    """GPT's first block: an fp32 stream, the normalised output in bf16, and the stream's
+    own gradient added by the LayerNorm's backward, within twice eager's error."""
+    x = torch.randn(16384, 768, device="cuda", requires_grad=True)
+    w, b = (t.detach().cuda().float().requires_grad_() for t in _inputs((768,))[1:])
+
+    def under_autocast(fn):
+        def run(*a):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                y, s = fn(*a)
+            return y.to(torch.float64 if a[0].dtype == torch.float64 else torch.bfloat16), s
+        return run
+    check_against_oracle(under_autocast(ops.layer_norm_stream),
+                         under_autocast(eager.layer_norm_stream), [x, w, b], 1e-2, 1e-2,
+                         "layer_norm_stream autocast")
 
 
 @pytest.mark.gpu
