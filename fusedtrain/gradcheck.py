@@ -55,6 +55,8 @@ def op_cases(device: str) -> dict[str, list[tuple[str, Callable[[], tuple]]]]:
         lambda *t: ops.qkv_attention(*t, 3), (r(2, 5, 12), r(36, 12), r(36)))))
     cases["layernorm"].append(("layer_norm", lambda: (
         ops.layer_norm, (r(3, 5, 13), r(13), r(13)))))
+    cases["layernorm"].append(("layer_norm_stream", lambda: (
+        ops.layer_norm_stream, (r(3, 5, 13), r(13), r(13)))))
     cases["layernorm"].append(("add_layer_norm", lambda: (
         ops.add_layer_norm, (r(3, 5, 13), r(3, 5, 13), r(13), r(13)))))
     cases["layernorm"].append(("add_layer_norm[x_bias]", lambda: (
