@@ -20,6 +20,9 @@ def test_train_benchmark_runs_on_the_tiny_model(tmp_path):
     results = json.loads((tmp_path / "train.json").read_text())["results"]
     assert set(results) == {"eager-math", "fused"}
     assert all(v["tokens_per_s"] > 0 for v in results.values())
+    for v in results.values():  # every timed step's time; the median is theirs
+        assert len(v["step_ms"]) == 2 and min(v["step_ms"]) > 0
+        assert v["step_ms_median"] == pytest.approx(torch.tensor(v["step_ms"]).median().item())
     assert results["fused"]["speedup_vs"]["eager-math"] > 0
     assert (tmp_path / "train.png").stat().st_size > 0
 

@@ -183,7 +183,7 @@ def bench_train_variant(model_name: str, batch: int, seq: int, steps: int, warmu
     losses = [x.item() for x in losses]
     out = {"tokens_per_s": tokens_per_s, "step_ms_median": times_t.median().item(),
            "step_ms_p10": times_t.quantile(0.1).item(),
-           "step_ms_p90": times_t.quantile(0.9).item(),
+           "step_ms_p90": times_t.quantile(0.9).item(), "step_ms": times,
            "first_step_s": first_step_s, "final_loss": losses[-1], "losses": losses,
            "peak_mem_GiB": torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None}
     known = peak_flops() if cuda else None
