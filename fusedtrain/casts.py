@@ -50,10 +50,11 @@ def grouped_casts(*params: torch.Tensor | None) -> Iterator[None]:
     ops do. Does nothing outside autocast, under torch.compile (Inductor fuses the casts
     itself) and for parameters already in that dtype (FSDP's mixed precision)."""
     params = [p for p in params if p is not None]
-    dtype = autocast_dtype(params[0]) if params else None
-    params = [p for p in params if p.is_floating_point() and p.dtype != dtype
-              and _prepared_copy(p, dtype) is None]  # not cast by an enclosing block
-    if dtype is None or not params or torch.compiler.is_compiling():
+    dtype = None if not params or torch.compiler.is_compiling() else autocast_dtype(params[0])
+    if dtype is not None:
+        params = [p for p in params if p.is_floating_point() and p.dtype != dtype
+                  and _prepared_copy(p, dtype) is None]  # not cast by an enclosing block
+    if dtype is None or not params:
         yield
         return
     with torch.no_grad():
@@ -107,12 +108,7 @@ def _views_whole(view: torch.Tensor, base: torch.Tensor) -> bool:
 
 def _prepared_copy(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
     """grouped_casts' copy of t in `dtype`, if the block being run holds one, else a
-    published one still fresh."""
-    return None if torch.compiler.is_compiling() else _held_copy(t, dtype)
-
-
-def _held_copy(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
-    """_prepared_copy's lookup, outside torch.compile."""
+    published one still fresh. Not for code that torch.compile traces (see _cast)."""
     copy = _PREPARED.get().get(id(t))
     if copy is not None and copy.dtype == dtype:
         return copy
@@ -135,5 +131,5 @@ def _cast(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         # runs, so the lookup goes into an op the compiler leaves as it is (registered by
         # fusedtrain.ops, whose ops are the only callers here).
         return p if p.dtype == dtype else torch.ops.fusedtrain.published_cast(p, dtype)
-    copy = _held_copy(p, dtype)
+    copy = _prepared_copy(p, dtype)
     return copy if copy is not None else p.to(dtype)
