@@ -3,6 +3,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -190,3 +191,36 @@ def test_the_timed_steps_run_with_the_python_heap_frozen(monkeypatch):
                                  training.train_variants(False)["eager-math"], "cpu")
     assert frozen[:2] == [0, 0] and all(n > 1000 for n in frozen[2:]) and len(frozen) == 5
     assert gc.get_freeze_count() == 0
+
+
+def test_clock_samples_parse_with_and_without_the_power_cap_field():
+    from fusedtrain.bench.gpu_clocks import parse_samples
+
+    s = parse_samples(["1755, 652.3, Active", "1980, 301.0, Not Active", "1605, 690.1, Active",
+                       "[N/A], [N/A], [N/A]", ""])
+    assert s["sm_clock_mhz_median"] == 1755 and s["sm_clock_mhz_min"] == 1605
+    assert s["power_w_median"] == pytest.approx(652.3) and s["clock_samples"] == 3
+    assert s["power_capped_share"] == pytest.approx(2 / 3)
+    assert "power_capped_share" not in parse_samples(["1830, 640"])
+    assert parse_samples(['Field "x" is not a valid field to query.']) is None
+
+
+def test_clock_sampler_falls_back_to_the_fields_an_older_driver_knows(tmp_path, monkeypatch):
+    from fusedtrain.bench import gpu_clocks
+
+    fake = tmp_path / "nvidia-smi"  # rejects the newest field, then samples until stopped
+    fake.write_text('#!/bin/sh\ncase "$*" in *power.draw.instant*) '
+                    'echo "Field is not a valid field to query."; exit 2;; esac\n'
+                    'while true; do echo "1740, 655.5"; sleep 0.01; done\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(gpu_clocks, "_device_id", lambda device: str(device))
+    with gpu_clocks.ClockSampler(device=0) as s:
+        time.sleep(0.2)
+    assert s.summary["sm_clock_mhz_median"] == 1740 and s.summary["clock_samples"] >= 2
+    assert "power_capped_share" not in s.summary
+    monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))  # no nvidia-smi: no figures
+    with gpu_clocks.ClockSampler(device=0) as s:
+        pass
+    assert s.summary is None

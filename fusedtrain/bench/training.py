@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from fusedtrain import ops
+from fusedtrain.bench.gpu_clocks import ClockSampler
 
 MODEL_CONFIGS = Path(__file__).resolve().parents[2] / "conf" / "model"  # Hydra's model group
 
@@ -144,7 +145,8 @@ def bench_train_variant(model_name: str, batch: int, seq: int, steps: int, warmu
                         variant: dict, device: str, data_source: str = "synthetic") -> dict:
     """Warm-up steps (compilation, autotuning), then `steps` timed steps issued back to
     back as a training loop would: tokens/s from the wall time of the timed steps (one
-    sync at each end), per-step ms from CUDA events read afterwards."""
+    sync at each end), per-step ms from CUDA events read afterwards, and the GPU's SM
+    clock and power over those steps where nvidia-smi can tell (gpu_clocks)."""
     from fusedtrain.module import peak_flops, python_heap_frozen
 
     cuda = device == "cuda"
@@ -160,7 +162,8 @@ def bench_train_variant(model_name: str, batch: int, seq: int, steps: int, warmu
             if cuda:
                 torch.cuda.synchronize()
             first_step_s = time.perf_counter() - t_step
-    with python_heap_frozen():  # as a long training run would be after its warm-up
+    # The heap frozen as a long training run's would be after its warm-up.
+    with python_heap_frozen(), ClockSampler() as clocks:
         if cuda:
             torch.cuda.synchronize()
             events = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
@@ -185,7 +188,8 @@ def bench_train_variant(model_name: str, batch: int, seq: int, steps: int, warmu
            "step_ms_p10": times_t.quantile(0.1).item(),
            "step_ms_p90": times_t.quantile(0.9).item(), "step_ms": times,
            "first_step_s": first_step_s, "final_loss": losses[-1], "losses": losses,
-           "peak_mem_GiB": torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None}
+           "peak_mem_GiB": torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None,
+           **(clocks.summary or {})}
     known = peak_flops() if cuda else None
     if known is not None:
         out["mfu"] = model.flops_per_token(seq) * tokens_per_s / known[1]
@@ -376,8 +380,8 @@ def train_chart_title(info: dict) -> str:
 
 
 def plot_train(results: dict, path: Path, title: str, reference: str = "compile-sdpa") -> None:
-    """Bars of tokens/s (each labelled with its ratio to `reference` where that ran) and
-    peak memory per variant."""
+    """Bars of tokens/s (each labelled with its ratio to `reference` where that ran, and
+    the median SM clock where sampled) and peak memory per variant."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -388,10 +392,12 @@ def plot_train(results: dict, path: Path, title: str, reference: str = "compile-
     rates = [results[k]["tokens_per_s"] / 1e3 for k in names]
     axes[0].barh(names, rates, color="C0")
     ref = results.get(reference, {}).get("tokens_per_s")
-    for i, rate in enumerate(rates):
+    for i, (name, rate) in enumerate(zip(names, rates)):
         label = f"{rate:.1f}k" + (f"  {rate * 1e3 / ref:.3f}x" if ref else "")
+        mhz = results[name].get("sm_clock_mhz_median")
+        label += f"  @ {mhz:.0f} MHz" if mhz else ""
         axes[0].text(rate, i, " " + label, va="center", fontsize=8)
-    axes[0].set_xlim(0, max(rates) * 1.35)
+    axes[0].set_xlim(0, max(rates) * 1.5)
     axes[0].set_xlabel("tokens/s (thousands)" + (f"; x: against {reference}" if ref else ""))
     axes[1].barh(names, [results[k]["peak_mem_GiB"] or 0 for k in names], color="C1")
     axes[1].set_xlabel("peak memory (GiB)")
