@@ -12,8 +12,9 @@
       graphed step with family X back to eager):
       tokens/s, step ms, MFU, peak memory -> DIR/train.json, DIR/train.png
   python scripts/bench.py parity [--model tiny] [--steps 100] [--out DIR]
-      fused and eager trained from one seed on the same stdlib batches: overlaid loss
-      curves and the max |difference| -> DIR/parity.json, DIR/parity.png
+      fused and eager trained from one seed on the same stdlib batches, and eager with
+      math attention as the yardstick of low precision's own drift: overlaid loss curves
+      and the max |difference| of each to eager -> DIR/parity.json, DIR/parity.png
   python scripts/bench.py profile [--variant fused] [--model gpt2] [--out DIR]
       torch.profiler over a few training steps: GPU-busy share of the step and the top
       kernels by GPU time -> DIR/profile-VARIANT.txt

@@ -34,8 +34,10 @@ def test_loss_parity_on_the_tiny_model(tmp_path):
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     result = json.loads((tmp_path / "parity.json").read_text())
-    assert len(result["curves"]["fused"]) == 4
+    assert set(result["curves"]) == {"eager-sdpa", "fused", "eager-math"}
+    assert all(len(c) == 4 for c in result["curves"].values())
     assert result["max_abs_diff"] < 1e-4  # fp32 on CPU: same math, different kernels
+    assert result["reference_max_abs_diff"] < 1e-4
     assert (tmp_path / "parity.png").stat().st_size > 0
 
 
