@@ -11,11 +11,9 @@ from fusedtrain import eager, ops
 from fusedtrain.kernels._common import (
     FAST_ERF,
     FAST_TANH,
-    PACKED_TANH,
     gelu,
     gelu_grad,
     gelu_mode,
-    gelu_operand,
 )
 
 F64 = torch.float64
@@ -167,31 +165,6 @@ def test_tanh_gelu_and_its_derivative_against_fp64(approx, device, tol):
     assert ((y - y_ref).abs() / scale).max() < tol
     assert ((dh - dh_ref).abs() / scale).max() < tol
     assert torch.isfinite(y).all() and torch.isfinite(dh).all()
-
-
-@triton.jit
-def _gelu_operand_kernel(h_ptr, y_ptr, n, APPROX: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.arange(0, BLOCK)
-    h = tl.load(h_ptr + offs, mask=offs < n)
-    tl.store(y_ptr + offs, gelu_operand(h, APPROX, tl.float32), mask=offs < n)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype,ulps", [(torch.bfloat16, 2), (torch.float16, 3)])
-def test_gpu_packed_tanh_gelu_against_fp64(dtype, ulps):
-    """PACKED_TANH (16-bit pairs) against the tanh form in fp64 on the 16-bit values of
-    [-12, 12] and beyond fp16's h^2 range: within `ulps` units in the last place of the
-    format at max(|h|, 1) (the far negative tail's h/2 + h/2 tanh z cancels to an absolute
-    error of that size), and exact where gelu(h) rounds to h or to 0."""
-    h = torch.cat([_GELU_RANGE, torch.tensor([-1000.0, 300.0, 1000.0])]).to(dtype).cuda()
-    y = torch.empty_like(h)
-    _gelu_operand_kernel[(1,)](h, y, h.numel(), APPROX=PACKED_TANH.value, BLOCK=4096)
-    h64, y = h.cpu().double(), y.cpu().double()
-    y_ref = 0.5 * h64 * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (h64 + 0.044715 * h64 ** 3)))
-    ulp = torch.finfo(dtype).eps * h64.abs().clamp(min=1)
-    assert ((y - y_ref).abs() / ulp).max() <= ulps
-    big = h64.abs() >= 12
-    assert torch.equal(y[big], torch.where(h64[big] > 0, h64[big], 0.0))
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
@@ -398,10 +371,33 @@ def test_gpu_bf16_accuracy(M, K, N, approximate):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("approximate", ["tanh", "none"])
+def test_gpu_bf16_gelu_activations_are_not_biased(approximate):
+    """The MLP's activations gelu(x W^T + b) against fp64: their mean signed error (over the
+    mean magnitude) within twice eager's plus 2e-4. The max-error rule alone let through a
+    GELU whose every value leaned the same way (-1.8e-3 against eager's +9e-5 at gpt2's
+    shape), and the fused model then trained apart from the eager one
+    (docs/perf-notes.md, thirty-second round)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(4096, 768, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(3072, 768, device="cuda", generator=g) * 0.02).bfloat16()
+    b = (torch.randn(3072, device="cuda", generator=g) * 0.02).bfloat16()
+    ref = torch.nn.functional.gelu(x.double() @ w.double().T + b.double(),
+                                   approximate=approximate)
+
+    def bias(y):
+        return ((y.double() - ref).mean() / ref.abs().mean()).item()
+
+    fused = ops.linear_gelu(*(t.clone().requires_grad_() for t in (x, w, b)), approximate)
+    eager_bias = bias(eager.linear_gelu(x, w, b, approximate))
+    assert abs(bias(fused)) <= 2 * abs(eager_bias) + 2e-4, (bias(fused), eager_bias)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gpu_packed_gelu_within_eager_error_over_a_wide_range(dtype):
-    """The tanh form's packed 16-bit GELU (the forward's epilogue and dW2's recomputed
-    operand on a GPU) against the fp64 oracle, with pre-activations spread over about
+def test_gpu_tanh_gelu_within_eager_error_over_a_wide_range(dtype):
+    """The tanh form's GELU (the forward's epilogue and dW2's recomputed operand, through
+    tanh.approx on a GPU) against the fp64 oracle, with pre-activations spread over about
     [-12, 12], the far negative tail included, where h/2 + h/2 tanh z cancels; then very
     large ones. M = 1151 leaves a partial tile."""
     M, K, N = 1151, 768, 3072

@@ -35,7 +35,6 @@ Z3_DERIV = tl.constexpr(3 * Z3.value)
 APPROXIMATIONS = {"none": 0, "tanh": 1}
 FAST_TANH = tl.constexpr(2)  # the tanh form through tanh.approx (see gelu_mode)
 FAST_ERF = tl.constexpr(3)  # the erf form through one exp2 and one reciprocal (see normal_cdf)
-PACKED_TANH = tl.constexpr(4)  # the tanh form on 16-bit pairs (see gelu_operand)
 
 
 def gelu_mode(approximate: str, data: torch.Tensor) -> int:
@@ -184,49 +183,15 @@ def gelu(h, APPROX: tl.constexpr):
         return 0.5 * h * (1.0 + tl.erf(h * INV_SQRT2))
 
 
-# gelu(h) = h/2 + h/2 tanh(h (c0 + c1 h^2)) on two 16-bit values packed in a 32-bit
-# register ({t}: bf16 or f16), each instruction working on both halves: six instructions
-# (one a tanh) for two values, where the fp32 form takes eleven (two of them tanh) and
-# three conversions. c0 = sqrt(2/pi), c1 = 0.044715 c0 and 1/2 are rounded to the format
-# and repeated in both halves; a product a * b is the fused multiply-add a * b + (-0).
-_PACKED_TANH_GELU = """{{
-.reg .b32 nz, c0, c1, half, p, t, hh;
-mov.b32 nz, 0x80008000; mov.b32 c0, {c0}; mov.b32 c1, {c1}; mov.b32 half, {half};
-fma.rn.{t}x2 p, $1, $1, nz;
-fma.rn.{t}x2 p, p, c1, c0;
-fma.rn.{t}x2 p, p, $1, nz;
-tanh.approx.{t}x2 t, p;
-fma.rn.{t}x2 hh, $1, half, nz;
-fma.rn.{t}x2 $0, hh, t, hh;
-}}"""
-_GELU_BF16X2 = tl.constexpr(_PACKED_TANH_GELU.format(t="bf16", c0="0x3f4c3f4c",
-                                                    c1="0x3d123d12", half="0x3f003f00"))
-_GELU_F16X2 = tl.constexpr(_PACKED_TANH_GELU.format(t="f16", c0="0x3a623a62", c1="0x28912891",
-                                                   half="0x38003800"))
-
-
 @device_fn
 def gelu_operand(a, APPROX: tl.constexpr, ACC: tl.constexpr):
-    """gelu(a) of a 16-bit tile a (a GEMM operand, a stored pre-activation), in a's dtype.
-    PACKED_TANH (16-bit a on a GPU): the tanh form computed in a's own 16-bit format, two
-    values an instruction; its error (about one unit in the last place of the 16-bit
-    result, against half a unit for a rounded fp32 result) is of the size of the rounding
-    the result gets anyway, and nothing is converted to fp32 and back. Other modes: gelu
-    in ACC, rounded to a's dtype."""
-    if APPROX == PACKED_TANH:
-        if a.dtype == tl.bfloat16:
-            return tl.inline_asm_elementwise(_GELU_BF16X2, "=r,r", [a], dtype=a.dtype,
-                                             is_pure=True, pack=2)
-        else:
-            return tl.inline_asm_elementwise(_GELU_F16X2, "=r,r", [a], dtype=a.dtype,
-                                             is_pure=True, pack=2)
+    """gelu(a) of a 16-bit tile a (a GEMM operand, a stored pre-activation): computed in
+    ACC and rounded once to a's dtype. (Not in a's own 16-bit format, two values an
+    instruction: that form's constants and intermediates, rounded to bf16, shifted every
+    activation the same way, about -0.2% of their mean magnitude against eager's
+    +0.01%, and the fused model's loss drifted above the eager one's within its first
+    ~30 steps of training; docs/perf-notes.md, thirty-second round.)"""
     return gelu(a.to(ACC), APPROX).to(a.dtype)
-
-
-def operand_gelu_mode(mode: int) -> int:
-    """The APPROX a GEMM gives gelu_operand for gelu_mode's `mode`: PACKED_TANH for FAST_TANH
-    (16-bit data on a GPU), else `mode` itself."""
-    return PACKED_TANH.value if mode == FAST_TANH.value else mode
 
 
 @device_fn

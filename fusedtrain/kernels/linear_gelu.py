@@ -6,8 +6,7 @@
                     recomputed from h in the epilogue (no dGELU tensor in memory);
                     optionally also the bias gradient dh.sum(0), from the epilogue's tiles.
   matmul_gelu_rhs   dW2 = dy.T @ gelu(h): gelu(h) recomputed while each tile of h is
-                    loaded, so gelu(h) is never stored (for 16-bit data on a GPU in
-                    packed 16-bit arithmetic: _common.gelu_operand).
+                    loaded, so gelu(h) is never stored.
   gelu_bwd          dh = dy * gelu'(h), elementwise, optionally with dh.sum(0)
                     (standalone linear_gelu backward).
 
@@ -40,7 +39,6 @@ from fusedtrain.kernels._common import (
     gemm_configs,
     gemm_flags,
     gemm_tile,
-    operand_gelu_mode,
     stat_dtype,
     tile_ptrs,
 )
@@ -301,7 +299,7 @@ def linear_gelu_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     if config is None and N >= K and ws_ok(x, weight, y):
         from fusedtrain.kernels import linear_gelu_ws  # Gluon: imported where it compiles
 
-        linear_gelu_ws.linear_gelu_fwd(x, weight, bias, y, h, operand_gelu_mode(flags["APPROX"]))
+        linear_gelu_ws.linear_gelu_fwd(x, weight, bias, y, h, flags["APPROX"])
         return y, h
     if tma_ok(x, weight, y):
         cfg = config or tma_config(N)
@@ -392,7 +390,6 @@ def matmul_gelu_rhs(dy: torch.Tensor, h: torch.Tensor, approximate: str,
         # Under the interpreter (one program by default) one program a slice, so that the
         # stream-K runs end inside tiles there too.
         programs = splits if INTERPRET and stream_k else None
-        flags["APPROX"] = operand_gelu_mode(flags["APPROX"])
         launch(_matmul_gelu_rhs_tma_kernel, tiles * splits, dy.device, h, dy, out,
                M, N, K, k_split, splits, h.stride(0), dy.stride(0), out.stride(0), out.stride(1),
                config=cfg, programs=programs, STREAM_K=stream_k, **flags)

@@ -3,9 +3,7 @@ Hopper (the pipeline and its ping-pong consumers: kernels._ws). The same computa
 linear_gelu's TMA kernels, which they replace on sm_90 GPUs; each consumer's epilogue
 runs under the other consumer's MMAs.
 
-  linear_gelu_fwd   y = gelu(x @ W.T + b), and h = x @ W.T + b when asked; in the tanh
-                    form (approx PACKED_TANH) y = gelu(h) from h rounded to 16 bits, in
-                    packed 16-bit arithmetic (_common.gelu_operand).
+  linear_gelu_fwd   y = gelu(x @ W.T + b), and h = x @ W.T + b when asked.
   matmul_dgelu      dh = (dy @ W2) * gelu'(h), h's tile loaded by TMA while the tile's
                     MMAs run; optionally each tile's column sums of dh (the bias gradient's
                     partial sums, one row per BM rows of dh).
@@ -17,7 +15,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.language.core import _aggregate as aggregate
 
-from fusedtrain.kernels._common import PACKED_TANH, gelu, gelu_grad, gelu_operand
+from fusedtrain.kernels._common import gelu, gelu_grad
 from fusedtrain.kernels._launch import fast_launch
 from fusedtrain.kernels._ws import (
     BK,
@@ -55,10 +53,7 @@ def _fwd_epilogue(e, acc, buf, bar, off_m, off_n, j):
     if e.HAS_BIAS:
         cols = tile_columns(off_n)
         acc = acc + gl.load(e.b_ptr + cols, mask=cols < e.N, other=0.0).to(gl.float32)[None, :]
-    if e.APPROX == PACKED_TANH:  # from h as stored (rounded), as the unfused op does
-        y = gelu_operand(acc.to(e.y_desc.dtype), e.APPROX, gl.float32)
-    else:
-        y = gelu(acc, e.APPROX)
+    y = gelu(acc, e.APPROX)
     if e.STORE_H:
         store_tile(e.h_desc, buf, acc, off_m, off_n)
     store_tile(e.y_desc, buf, y, off_m, off_n)
