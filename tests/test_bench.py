@@ -226,3 +226,19 @@ def test_clock_sampler_falls_back_to_the_fields_an_older_driver_knows(tmp_path, 
     with gpu_clocks.ClockSampler(device=0) as s:
         pass
     assert s.summary is None
+
+
+def test_clock_sampler_gives_up_on_an_nvidia_smi_that_prints_nothing(tmp_path, monkeypatch):
+    from fusedtrain.bench import gpu_clocks
+
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\nexec sleep 100\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(gpu_clocks, "_device_id", lambda device: str(device))
+    monkeypatch.setattr(gpu_clocks, "_FIRST_SAMPLE_S", 0.2)
+    t0 = time.monotonic()
+    with gpu_clocks.ClockSampler(device=0) as s:
+        pass
+    assert s.summary is None and time.monotonic() - t0 < 5

@@ -11,6 +11,7 @@ kernels' and how much the clock's.
 
 from __future__ import annotations
 
+import select
 import shutil
 import statistics
 import subprocess
@@ -20,6 +21,7 @@ import torch
 # Newest field names first; older drivers know only the plain ones.
 _QUERIES = (("clocks.sm", "power.draw.instant", "clocks_event_reasons.sw_power_cap"),
             ("clocks.sm", "power.draw"))
+_FIRST_SAMPLE_S = 10
 
 
 def parse_samples(lines: list[str]) -> dict | None:
@@ -71,7 +73,9 @@ class ClockSampler:
             ["nvidia-smi", "-i", _device_id(self.device), f"--query-gpu={','.join(fields)}",
              "--format=csv,noheader,nounits", "-lms", str(self.interval_ms)],
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        first = self._proc.stdout.readline()
+        # A first sample within seconds, or none: a hung nvidia-smi must not hang the run.
+        ready, _, _ = select.select([self._proc.stdout], [], [], _FIRST_SAMPLE_S)
+        first = self._proc.stdout.readline() if ready else ""
         if parse_samples([first]) is None:  # a field this driver does not know, or no GPU
             self._stop()
             return False
@@ -80,7 +84,12 @@ class ClockSampler:
 
     def _stop(self) -> list[str]:
         self._proc.terminate()
-        rest, _ = self._proc.communicate(timeout=10)
+        try:
+            rest, _ = self._proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:  # deaf to SIGTERM: its samples are not worth a hang
+            self._proc.kill()
+            self._proc.wait()
+            rest = ""
         self._proc = None
         return rest.splitlines()
 
