@@ -11,10 +11,11 @@
       (the whole step as one CUDA graph) and, with --ablation, fused-graph-no-X (the
       graphed step with family X back to eager):
       tokens/s, step ms, MFU, peak memory -> DIR/train.json, DIR/train.png
-  python scripts/bench.py parity [--model tiny] [--steps 100] [--out DIR]
+  python scripts/bench.py parity [--model tiny] [--steps 100] [--variants ...] [--out DIR]
       fused and eager trained from one seed on the same stdlib batches, and eager with
-      math attention as the yardstick of low precision's own drift: overlaid loss curves
-      and the max |difference| of each to eager -> DIR/parity.json, DIR/parity.png
+      math attention as the yardstick of low precision's own drift (or --variants, the
+      first the reference: fused-no-X, eager-fp32, ...): overlaid loss curves and the max
+      |difference| of each to the reference -> DIR/parity.json, DIR/parity.png
   python scripts/bench.py profile [--variant fused] [--model gpt2] [--out DIR]
       torch.profiler over a few training steps: GPU-busy share of the step and the top
       kernels by GPU time -> DIR/profile-VARIANT.txt
@@ -89,6 +90,10 @@ def main(argv=None) -> int:
     q.add_argument("--seq", type=int, default=64)
     q.add_argument("--steps", type=int, default=100)
     q.add_argument("--data", default="stdlib", choices=["synthetic", "stdlib"])
+    q.add_argument("--variants", nargs="+", metavar="NAME",
+                   help="what to train, the first the reference (default: "
+                        f"{' '.join(training.PARITY_DEFAULT)}); also fused-no-FAMILY, "
+                        "eager-fp32 (no autocast), compile-sdpa, compile-fused")
     q.add_argument("--out", default="results")
     args = p.parse_args(argv)
     # `train` and `profile` run backward on this thread unless --autograd-threads, as
@@ -97,9 +102,13 @@ def main(argv=None) -> int:
     # default. (Called, not entered: the setting holds for the whole process.)
     torch.autograd.set_multithreading_enabled(getattr(args, "autograd_threads", True))
     if args.cmd == "parity":
+        try:
+            result = training.run_parity(args)
+        except ValueError as e:  # variants it does not know, or fewer than two
+            print(f"bench.py parity: {e}", file=sys.stderr)
+            return 2
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        result = training.run_parity(args)
         (out / "parity.json").write_text(json.dumps(result, indent=1))
         dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU, fp32"
         training.plot_parity(result, out / "parity.png",

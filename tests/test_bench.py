@@ -38,7 +38,27 @@ def test_loss_parity_on_the_tiny_model(tmp_path):
     assert all(len(c) == 4 for c in result["curves"].values())
     assert result["max_abs_diff"] < 1e-4  # fp32 on CPU: same math, different kernels
     assert result["reference_max_abs_diff"] < 1e-4
+    assert result["max_abs_diff_vs_reference"] == {"fused": result["max_abs_diff"],
+                                                   "eager-math": result["reference_max_abs_diff"]}
     assert (tmp_path / "parity.png").stat().st_size > 0
+
+
+def test_parity_trains_the_variants_asked_for_against_the_first(tmp_path):
+    r = subprocess.run(BENCH + ["parity", "--batch", "2", "--seq", "16", "--steps", "3",
+                                "--data", "synthetic", "--variants", "eager-fp32",
+                                "fused-no-mlp", "eager-sdpa", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    result = json.loads((tmp_path / "parity.json").read_text())
+    assert result["reference"] == "eager-fp32" and list(result["curves"]) == [
+        "eager-fp32", "fused-no-mlp", "eager-sdpa"]
+    assert set(result["max_abs_diff_vs_reference"]) == {"fused-no-mlp", "eager-sdpa"}
+    assert max(result["max_abs_diff_vs_reference"].values()) < 1e-4  # CPU: fp32 throughout
+    assert "max_abs_diff" not in result  # the default comparison's keys only for it
+    r = subprocess.run(BENCH + ["parity", "--variants", "eager-sdpa", "fused-graph",
+                                "--out", str(tmp_path / "bad")],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 2 and "fused-graph" in r.stderr and not (tmp_path / "bad").exists()
 
 
 def test_a_variant_over_its_time_limit_is_recorded_and_the_rest_still_run(tmp_path):

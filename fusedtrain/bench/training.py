@@ -94,7 +94,8 @@ def train_setup(model_name: str, batch: int, seq: int, n_batches: int, variant: 
                                 capturable=whole_step_graph)
     data = training_batches(data_source, n_batches, batch, seq, cfg.vocab_size, device)
     # Autocast's weight-cast cache would hold tensors made during capture; graphs need it off.
-    amp = torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda",
+    amp = torch.autocast(device, dtype=torch.bfloat16,
+                         enabled=device == "cuda" and variant.get("autocast", True),
                          cache_enabled=not whole_step_graph)
 
     def train_on(batch: torch.Tensor) -> torch.Tensor:
@@ -331,26 +332,50 @@ def run_train(args, save=lambda results: None) -> dict:
     return results
 
 
+PARITY_DEFAULT = ("eager-sdpa", "fused", "eager-math")
+
+
+def parity_variants() -> dict[str, dict]:
+    """What `bench.py parity` can train: the plain (not graphed) variants of
+    train_variants, fused minus one family (`fused-no-X`), and eager without autocast
+    (`eager-fp32`), the full-precision trajectory both bf16 runs stray from."""
+    from fusedtrain.model import KERNEL_FAMILIES
+
+    v = {k: d for k, d in train_variants(ablation=False).items() if not d.get("graph")}
+    every = dict.fromkeys(KERNEL_FAMILIES, True)
+    for fam in KERNEL_FAMILIES:
+        v[f"fused-no-{fam}"] = dict(kernels={**every, fam: False}, eager_attention="sdpa",
+                                    compile=False)
+    v["eager-fp32"] = {**v["eager-sdpa"], "autocast": False}
+    return v
+
+
 def run_parity(args) -> dict:
-    """Fused and eager (SDPA attention) trained from the same seed on the same batches:
-    loss curves. A third run, eager with math attention, is the yardstick: two unfused
-    models that differ only in their attention kernel, so their distance is what low
-    precision alone makes of one training run."""
+    """The variants `args.variants` (default PARITY_DEFAULT) trained from the same seed on
+    the same batches: loss curves, and each one's largest distance to the first's. By
+    default fused against eager (SDPA attention), with eager on math attention as the
+    yardstick: two unfused models that differ only in their attention kernel, so their
+    distance is what low precision alone makes of one training run."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    variants = train_variants(ablation=False)
+    names = list(args.variants or PARITY_DEFAULT)
+    known = parity_variants()
+    unknown = [n for n in names if n not in known]
+    if unknown or len(names) < 2:
+        raise ValueError(f"parity needs two or more of {sorted(known)}, got {names}")
     curves = {}
-    for name in ("eager-sdpa", "fused", "eager-math"):
+    for name in names:
         r = bench_train_variant(args.model, args.batch, args.seq, args.steps, 0,
-                                variants[name], device, args.data)
+                                known[name], device, args.data)
         curves[name] = r["losses"]
-    diffs = {name: max(abs(a - b) for a, b in zip(curves["eager-sdpa"], curves[name]))
-             for name in ("fused", "eager-math")}
-    print(f"loss parity over {args.steps} steps: max |fused - eager| = {diffs['fused']:.3g}, "
-          f"max |eager math attention - eager| = {diffs['eager-math']:.3g} (final eager "
-          f"{curves['eager-sdpa'][-1]:.4f}, fused {curves['fused'][-1]:.4f}, eager math "
-          f"attention {curves['eager-math'][-1]:.4f})")
-    return {"curves": curves, "max_abs_diff": diffs["fused"],
-            "reference_max_abs_diff": diffs["eager-math"]}
+    ref = names[0]
+    diffs = {n: max(abs(a - b) for a, b in zip(curves[ref], curves[n])) for n in names[1:]}
+    print(f"loss parity over {args.steps} steps, max |variant - {ref}|: "
+          + ", ".join(f"{n} {d:.3g}" for n, d in diffs.items())
+          + "; final losses: " + ", ".join(f"{n} {c[-1]:.4f}" for n, c in curves.items()))
+    out = {"reference": ref, "curves": curves, "max_abs_diff_vs_reference": diffs}
+    if names[:3] == list(PARITY_DEFAULT):  # the keys of earlier runs' JSON
+        out.update(max_abs_diff=diffs["fused"], reference_max_abs_diff=diffs["eager-math"])
+    return out
 
 
 def plot_parity(result: dict, path: Path, title: str) -> None:
@@ -362,18 +387,18 @@ def plot_parity(result: dict, path: Path, title: str) -> None:
     # The curves overlap at this scale: the lower panel shows their differences per step.
     fig, (ax, diff_ax) = plt.subplots(2, 1, figsize=(8, 5.5), sharex=True,
                                       gridspec_kw={"height_ratios": [2, 1]})
-    curves = result["curves"]
+    curves, ref = result["curves"], result["reference"]
     for name, losses in curves.items():
         ax.plot(range(1, len(losses) + 1), losses, label=name, lw=1.2)
     ax.set_ylabel("training loss")
-    ax.set_title(f"{title}\nmax |fused - eager-sdpa| = {result['max_abs_diff']:.3g}; "
-                 f"max |eager-math - eager-sdpa| = {result['reference_max_abs_diff']:.3g}",
-                 fontsize=9)
+    ax.set_title(title + "\n" + "; ".join(
+        f"max |{n} - {ref}| = {d:.3g}" for n, d in result["max_abs_diff_vs_reference"].items()),
+        fontsize=9)
     ax.legend()
-    for i, name in enumerate(("fused", "eager-math")):
-        diff = [a - b for a, b in zip(curves[name], curves["eager-sdpa"])]
+    for i, name in enumerate(n for n in curves if n != ref):
+        diff = [a - b for a, b in zip(curves[name], curves[ref])]
         diff_ax.plot(range(1, len(diff) + 1), diff, color=f"C{i + 1}", lw=1.0,
-                     label=f"{name} - eager-sdpa")
+                     label=f"{name} - {ref}")
     diff_ax.axhline(0.0, color="grey", lw=0.6)
     diff_ax.set_xlabel("step")
     diff_ax.set_ylabel("loss difference")
