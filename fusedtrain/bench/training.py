@@ -41,9 +41,16 @@ def train_variants(ablation: bool, compile_mode: str = "default") -> dict[str, d
         # Graphed too: the plain fused step is bound by the host's launches, which would
         # hide what a family's kernels cost on the GPU.
         for fam in KERNEL_FAMILIES:
-            v[f"fused-graph-no-{fam}"] = dict(kernels={**every, fam: False},
-                                              eager_attention="sdpa", compile=False, graph=True)
+            v[f"fused-graph-no-{fam}"] = {**fused_but(fam), "graph": True}
     return v
+
+
+def fused_but(family: str) -> dict:
+    """The plain fused variant with `family` back to eager."""
+    from fusedtrain.model import KERNEL_FAMILIES
+
+    return dict(kernels={**dict.fromkeys(KERNEL_FAMILIES, True), family: False},
+                eager_attention="sdpa", compile=False)
 
 
 def training_batches(source: str, n: int, batch: int, seq: int, vocab: int,
@@ -342,10 +349,7 @@ def parity_variants() -> dict[str, dict]:
     from fusedtrain.model import KERNEL_FAMILIES
 
     v = {k: d for k, d in train_variants(ablation=False).items() if not d.get("graph")}
-    every = dict.fromkeys(KERNEL_FAMILIES, True)
-    for fam in KERNEL_FAMILIES:
-        v[f"fused-no-{fam}"] = dict(kernels={**every, fam: False}, eager_attention="sdpa",
-                                    compile=False)
+    v.update({f"fused-no-{fam}": fused_but(fam) for fam in KERNEL_FAMILIES})
     v["eager-fp32"] = {**v["eager-sdpa"], "autocast": False}
     return v
 
@@ -359,9 +363,9 @@ def run_parity(args) -> dict:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     names = list(args.variants or PARITY_DEFAULT)
     known = parity_variants()
-    unknown = [n for n in names if n not in known]
-    if unknown or len(names) < 2:
-        raise ValueError(f"parity needs two or more of {sorted(known)}, got {names}")
+    if any(n not in known for n in names) or len(set(names)) != len(names) or len(names) < 2:
+        raise ValueError(f"parity needs two or more different ones of {sorted(known)}, "
+                         f"got {names}")
     curves = {}
     for name in names:
         r = bench_train_variant(args.model, args.batch, args.seq, args.steps, 0,
