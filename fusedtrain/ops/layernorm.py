@@ -150,14 +150,23 @@ def _check(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float,
     return cast
 
 
+def _normalise(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float,
+               approximate: str = "", stream: bool = False):
+    """LayerNormFunction on checked inputs: [gelu](layer_norm(x)), with `stream` also x;
+    an empty x through the eager twin."""
+    out_dtype = _check(x, weight, bias, eps)
+    if x.numel() == 0:
+        y = (eager.layer_norm_gelu(x, weight, bias, eps, approximate) if approximate
+             else eager.layer_norm(x, weight, bias, eps)).to(out_dtype)
+        return (y, x) if stream else y
+    return LayerNormFunction.apply(x, weight, bias, eps, approximate, out_dtype,
+                                   backward_wanted(x, weight, bias), stream)
+
+
 def layer_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None,
                eps: float = 1e-5) -> Tensor:
     """x: (..., C), weight, bias: (C,) -> y: (..., C); statistics in fp32."""
-    out_dtype = _check(x, weight, bias, eps)
-    if x.numel() == 0:
-        return eager.layer_norm(x, weight, bias, eps).to(out_dtype)
-    return LayerNormFunction.apply(x, weight, bias, eps, "", out_dtype,
-                                   backward_wanted(x, weight, bias))
+    return _normalise(x, weight, bias, eps)
 
 
 def layer_norm_stream(x: Tensor, weight: Tensor | None, bias: Tensor | None,
@@ -165,11 +174,7 @@ def layer_norm_stream(x: Tensor, weight: Tensor | None, bias: Tensor | None,
     """(layer_norm(x), x): a pre-LN block's first LayerNorm when nothing is added to the
     residual stream x before it (GPT's first block). The same values as layer_norm and x;
     in backward the gradient of the returned x is added by the LayerNorm's pass."""
-    out_dtype = _check(x, weight, bias, eps)
-    if x.numel() == 0:
-        return eager.layer_norm(x, weight, bias, eps).to(out_dtype), x
-    return LayerNormFunction.apply(x, weight, bias, eps, "", out_dtype,
-                                   backward_wanted(x, weight, bias), True)
+    return _normalise(x, weight, bias, eps, stream=True)
 
 
 def add_layer_norm(x: Tensor, residual: Tensor, weight: Tensor | None, bias: Tensor | None,
@@ -193,8 +198,4 @@ def layer_norm_gelu(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: 
                     approximate: str = "none") -> Tensor:
     """y = gelu(layer_norm(x)) written once; backward recomputes the normalised value."""
     check_approximate(approximate)
-    out_dtype = _check(x, weight, bias, eps)
-    if x.numel() == 0:
-        return eager.layer_norm_gelu(x, weight, bias, eps, approximate).to(out_dtype)
-    return LayerNormFunction.apply(x, weight, bias, eps, approximate, out_dtype,
-                                   backward_wanted(x, weight, bias))
+    return _normalise(x, weight, bias, eps, approximate)
