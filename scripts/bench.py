@@ -11,11 +11,14 @@
       (the whole step as one CUDA graph) and, with --ablation, fused-graph-no-X (the
       graphed step with family X back to eager):
       tokens/s, step ms, MFU, peak memory -> DIR/train.json, DIR/train.png
-  python scripts/bench.py parity [--model tiny] [--steps 100] [--variants ...] [--out DIR]
-      fused and eager trained from one seed on the same stdlib batches, and eager with
-      math attention as the yardstick of low precision's own drift (or --variants, the
-      first the reference: fused-no-X, eager-fp32, ...): overlaid loss curves and the max
-      |difference| of each to the reference -> DIR/parity.json, DIR/parity.png
+  python scripts/bench.py parity [--model tiny] [--steps 100] [--seed 0] [--variants ...]
+      [--out DIR]
+      trained from one seed on the same stdlib batches: the fp32 model (no autocast), eager
+      bf16 (SDPA, and math attention), fused bf16 (or --variants, the first the reference:
+      fused-no-X, compile-fused, ...). Overlaid loss curves, the max |difference| of each
+      to the reference and of fused to eager; bf16 noise is how far eager bf16 strays
+      from fp32, and the run exits 1 if a fused variant strays more than twice as far
+      (+ 1e-3) -> DIR/parity.json, DIR/parity.png
   python scripts/bench.py profile [--variant fused] [--model gpt2] [--out DIR]
       torch.profiler over a few training steps: GPU-busy share of the step and the top
       kernels by GPU time -> DIR/profile-VARIANT.txt
@@ -90,6 +93,7 @@ def main(argv=None) -> int:
     q.add_argument("--seq", type=int, default=64)
     q.add_argument("--steps", type=int, default=100)
     q.add_argument("--data", default="stdlib", choices=["synthetic", "stdlib"])
+    q.add_argument("--seed", type=int, default=0, help="initial weights and batch order")
     q.add_argument("--variants", nargs="+", metavar="NAME",
                    help="what to train, the first the reference (default: "
                         f"{' '.join(training.PARITY_DEFAULT)}); also fused-no-FAMILY, "
@@ -113,8 +117,8 @@ def main(argv=None) -> int:
         dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU, fp32"
         training.plot_parity(result, out / "parity.png",
                              f"{args.model}, B={args.batch}, T={args.seq}, {args.data} data, "
-                             f"{dev}")
-        return 0
+                             f"seed {args.seed}, {dev}")
+        return 0 if all(result.get("within_bf16_noise", {}).values()) else 1
     if args.cmd == "profile":
         if not torch.cuda.is_available():
             print("bench.py profile needs a CUDA GPU", file=sys.stderr)

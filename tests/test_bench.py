@@ -34,13 +34,36 @@ def test_loss_parity_on_the_tiny_model(tmp_path):
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     result = json.loads((tmp_path / "parity.json").read_text())
-    assert set(result["curves"]) == {"eager-sdpa", "fused", "eager-math"}
+    assert result["reference"] == "eager-fp32" and result["seed"] == 0
+    assert list(result["curves"]) == ["eager-fp32", "eager-sdpa", "fused", "eager-math"]
     assert all(len(c) == 4 for c in result["curves"].values())
-    assert result["max_abs_diff"] < 1e-4  # fp32 on CPU: same math, different kernels
-    assert result["reference_max_abs_diff"] < 1e-4
-    assert result["max_abs_diff_vs_reference"] == {"fused": result["max_abs_diff"],
-                                                   "eager-math": result["reference_max_abs_diff"]}
+    diffs = result["max_abs_diff_vs_reference"]
+    assert set(diffs) == {"eager-sdpa", "fused", "eager-math"}
+    assert max(diffs.values()) < 1e-4  # fp32 on CPU: same math, different kernels
+    assert result["fused_vs_eager"] < 1e-4
+    assert result["yardsticks"] == ["eager-sdpa", "eager-math"]
+    assert result["bf16_noise"] == max(diffs["eager-sdpa"], diffs["eager-math"])
+    assert result["within_bf16_noise"] == {"fused": True}
+    assert "bf16 noise" in r.stdout
     assert (tmp_path / "parity.png").stat().st_size > 0
+
+
+def test_parity_verdict_measures_fused_runs_by_eager_bf16s_distance_to_fp32():
+    from fusedtrain.bench.training import PARITY_ATOL, parity_variants, parity_verdict
+
+    v = parity_variants()
+    fp32, eager = [3.0, 2.5, 2.0], [3.0, 2.6, 2.05]  # eager bf16 strays 0.1 from fp32
+    near, far = [3.0, 2.45, 2.1], [3.0, 2.5, 2.0 + 0.2 + PARITY_ATOL + 1e-6]
+    names = ("eager-fp32", "eager-sdpa", "fused", "compile-fused")
+    verdict = parity_verdict(dict(zip(names, (fp32, eager, near, far))),
+                             {n: v[n] for n in names})
+    assert verdict["bf16_noise"] == pytest.approx(0.1)
+    assert verdict["within_bf16_noise"] == {"fused": True, "compile-fused": False}
+    # Against a bf16 reference, or with no unfused bf16 run, there is nothing to measure by.
+    assert parity_verdict({"eager-sdpa": eager, "fused": near},
+                          {n: v[n] for n in ("eager-sdpa", "fused")}) == {}
+    assert parity_verdict({"eager-fp32": fp32, "fused": near},
+                          {n: v[n] for n in ("eager-fp32", "fused")}) == {}
 
 
 def test_parity_trains_the_variants_asked_for_against_the_first(tmp_path):
@@ -54,7 +77,7 @@ def test_parity_trains_the_variants_asked_for_against_the_first(tmp_path):
         "eager-fp32", "fused-no-mlp", "eager-sdpa"]
     assert set(result["max_abs_diff_vs_reference"]) == {"fused-no-mlp", "eager-sdpa"}
     assert max(result["max_abs_diff_vs_reference"].values()) < 1e-4  # CPU: fp32 throughout
-    assert "max_abs_diff" not in result  # the default comparison's keys only for it
+    assert "fused_vs_eager" not in result  # only where both ran
     for bad in (["eager-sdpa", "fused-graph"], ["eager-sdpa", "eager-sdpa"], ["fused"]):
         r = subprocess.run(BENCH + ["parity", "--variants", *bad, "--out", str(tmp_path / "bad")],
                            capture_output=True, text=True, timeout=600)
