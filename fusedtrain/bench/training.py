@@ -435,9 +435,10 @@ def plot_parity(result: dict, path: Path, title: str) -> None:
     for name, losses in curves.items():
         ax.plot(range(1, len(losses) + 1), losses, label=name, lw=1.2)
     ax.set_ylabel("training loss")
-    ax.set_title(title + "\n" + "; ".join(
-        f"max |{n} - {ref}| = {d:.3g}" for n, d in result["max_abs_diff_vs_reference"].items()),
-        fontsize=9)
+    diffs = [f"max |{n} - {ref}| = {d:.3g}"
+             for n, d in result["max_abs_diff_vs_reference"].items()]
+    ax.set_title("\n".join([title] + ["; ".join(diffs[i:i + 2])
+                                       for i in range(0, len(diffs), 2)]), fontsize=9)
     ax.legend()
     for i, name in enumerate(n for n in curves if n != ref):
         diff = [a - b for a, b in zip(curves[name], curves[ref])]
@@ -450,7 +451,7 @@ def plot_parity(result: dict, path: Path, title: str) -> None:
             diff_ax.axhline(y, color="grey", lw=0.8, ls="--", label=label)
     diff_ax.set_xlabel("step")
     diff_ax.set_ylabel("loss difference")
-    diff_ax.legend(fontsize=8)
+    diff_ax.legend(fontsize=7, ncol=2, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
