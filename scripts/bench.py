@@ -19,6 +19,11 @@
       to the reference and of fused to eager; bf16 noise is how far eager bf16 strays
       from fp32, and the run exits 1 if a fused variant strays more than twice as far
       (+ 1e-3) -> DIR/parity.json, DIR/parity.png
+  python scripts/bench.py gradients [--model tiny] [--at 62] [--batches 2] [--variants ...]
+      [--out DIR]
+      the eager bf16 model trained --at steps of the parity run, then each variant's
+      gradients on the next batches against the fp32 model's: relative L2 error per
+      parameter group -> DIR/gradients.json
   python scripts/bench.py profile [--variant fused] [--model gpt2] [--out DIR]
       torch.profiler over a few training steps: GPU-busy share of the step and the top
       kernels by GPU time -> DIR/profile-VARIANT.txt
@@ -99,6 +104,15 @@ def main(argv=None) -> int:
                         f"{' '.join(training.PARITY_DEFAULT)}); also fused-no-FAMILY, "
                         "eager-fp32 (no autocast), compile-sdpa, compile-fused")
     q.add_argument("--out", default="results")
+    g = sub.add_parser("gradients", help="one step's gradients against the fp32 model's")
+    for name, default in (("--model", "tiny"), ("--batch", 8), ("--seq", 64), ("--at", 62),
+                          ("--batches", 2), ("--seed", 0)):
+        g.add_argument(name, type=type(default), default=default)
+    g.add_argument("--data", default="stdlib", choices=["synthetic", "stdlib"])
+    g.add_argument("--variants", nargs="+", metavar="NAME",
+                   help="compared with eager-fp32 (default: "
+                        f"{' '.join(training.GRADIENTS_DEFAULT)})")
+    g.add_argument("--out", default="results")
     args = p.parse_args(argv)
     # `train` and `profile` run backward on this thread unless --autograd-threads, as
     # train.py does (autograd_threads=false): the fused ops' Python backward nodes then
@@ -119,6 +133,17 @@ def main(argv=None) -> int:
                              f"{args.model}, B={args.batch}, T={args.seq}, {args.data} data, "
                              f"seed {args.seed}, {dev}")
         return 0 if all(result.get("within_bf16_noise", {}).values()) else 1
+    if args.cmd == "gradients":
+        try:
+            result = training.run_gradients(args)
+        except ValueError as e:
+            print(f"bench.py gradients: {e}", file=sys.stderr)
+            return 2
+        print(training.gradients_table(result))
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "gradients.json").write_text(json.dumps(result, indent=1))
+        return 0
     if args.cmd == "profile":
         if not torch.cuda.is_available():
             print("bench.py profile needs a CUDA GPU", file=sys.stderr)

@@ -84,6 +84,29 @@ def test_parity_trains_the_variants_asked_for_against_the_first(tmp_path):
         assert r.returncode == 2 and str(bad) in r.stderr and not (tmp_path / "bad").exists()
 
 
+def test_gradients_against_the_fp32_model_at_a_point_of_the_parity_run(tmp_path):
+    r = subprocess.run(BENCH + ["gradients", "--batch", "2", "--seq", "16", "--at", "2",
+                                "--batches", "2", "--data", "synthetic",
+                                "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    result = json.loads((tmp_path / "gradients.json").read_text())
+    assert result["batches"] == [2, 3] and set(result["loss"]) == {
+        "eager-fp32", "eager-sdpa", "eager-math", "fused"}
+    err = result["rel_err"]
+    groups = set(err["fused"])
+    assert "transformer.h.*.mlp.c_fc.weight" in groups and len(groups) == 16
+    # On the CPU nothing runs in bf16: eager-sdpa is the fp32 model itself, bit for bit,
+    # and the fused kernels differ from it in the order of their fp32 sums only.
+    assert all(e == [0.0, 0.0] for e in err["eager-sdpa"].values())
+    assert all(0 < max(e) < 1e-4 for e in err["fused"].values())
+    assert "all parameters" in r.stdout
+    for bad in (["eager-fp32"], ["fused", "fused"], ["fused-graph"]):
+        r = subprocess.run(BENCH + ["gradients", "--variants", *bad, "--out", str(tmp_path)],
+                           capture_output=True, text=True, timeout=600)
+        assert r.returncode == 2 and str(bad) in r.stderr
+
+
 def test_a_variant_over_its_time_limit_is_recorded_and_the_rest_still_run(tmp_path):
     r = subprocess.run(BENCH + ["train", "--model", "tiny", "--batch", "2", "--seq", "16",
                                 "--steps", "2", "--warmup", "1", "--variant-timeout", "3",

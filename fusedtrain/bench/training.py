@@ -1,13 +1,16 @@
 """Training-throughput benchmarks: the model's forward, backward and AdamW step for each
 variant (eager, SDPA, torch.compile, fused, fused as one CUDA graph, fused minus one
-family), timed in one process; loss parity; a torch.profiler summary. `python
-scripts/bench.py train|parity|profile` runs them."""
+family), timed in one process; loss parity; one step's gradients against the fp32
+model's; a torch.profiler summary. `python scripts/bench.py
+train|parity|gradients|profile` runs them."""
 
 from __future__ import annotations
 
+import re
 import signal
 import time
 from pathlib import Path
+from statistics import fmean
 
 import torch
 
@@ -420,6 +423,88 @@ def run_parity(args) -> dict:
                           for n, ok in verdict["within_bf16_noise"].items()))
         out.update(verdict)
     return out
+
+
+GRADIENTS_DEFAULT = ("eager-sdpa", "eager-math", "fused")
+
+
+def _parameter_group(name: str) -> str:
+    """A parameter's name with its layer index pooled: transformer.h.*.mlp.c_fc.weight."""
+    return re.sub(r"\.\d+\.", ".*.", name)
+
+
+def run_gradients(args) -> dict:
+    """One step's gradients at a point of the parity run: the eager bf16 model trained
+    `args.at` steps (parity's seed and batches), then on each of the next `args.batches`
+    batches every variant's gradients against the fp32 model's, as the relative L2 error
+    per parameter group (layers pooled) and over all parameters, and its loss's distance
+    to fp32's. Says whether a fused model's gradients are as good as eager bf16's where
+    the training run is, not only at initialisation."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    known = parity_variants()
+    names = list(args.variants or GRADIENTS_DEFAULT)
+    if any(n not in known or n == "eager-fp32" for n in names) or len(set(names)) != len(names):
+        raise ValueError("gradients compares different ones of "
+                         f"{sorted(set(known) - {'eager-fp32'})} with eager-fp32, got {names}")
+    shape = (args.model, args.batch, args.seq, args.at + args.batches)
+    model, step, data = train_setup(*shape, known["eager-sdpa"], device, args.data, args.seed)
+    for i in range(args.at):
+        step(i)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    del model, step
+
+    def gradients(name: str, batch: torch.Tensor) -> tuple[float, dict[str, torch.Tensor]]:
+        m, _, _ = train_setup(*shape[:3], 1, known[name], device, "synthetic", args.seed)
+        m.load_state_dict(state)
+        with torch.autocast(device, dtype=torch.bfloat16,
+                            enabled=device == "cuda" and known[name].get("autocast", True)):
+            loss = m.loss(batch[:, :-1], batch[:, 1:])
+        loss.backward()
+        return loss.item(), {n: p.grad.double() for n, p in m.named_parameters()
+                             if p.grad is not None}
+
+    losses = {n: [] for n in ("eager-fp32", *names)}
+    rel_err = {n: {} for n in names}
+    rel_err_all = {n: [] for n in names}
+    for b in range(args.at, args.at + args.batches):
+        ref_loss, ref = gradients("eager-fp32", data[b])
+        losses["eager-fp32"].append(ref_loss)
+        ref_sq = {}
+        for n, g in ref.items():
+            group = _parameter_group(n)
+            ref_sq[group] = ref_sq.get(group, 0.0) + g.pow(2).sum().item()
+        for name in names:
+            loss, grads = gradients(name, data[b])
+            losses[name].append(loss)
+            err_sq = {}
+            for n, g in grads.items():
+                group = _parameter_group(n)
+                err_sq[group] = err_sq.get(group, 0.0) + (g - ref[n]).pow(2).sum().item()
+            for group, e in err_sq.items():
+                rel_err[name].setdefault(group, []).append((e / max(ref_sq[group], 1e-300))
+                                                           ** 0.5)
+            rel_err_all[name].append((sum(err_sq.values()) / sum(ref_sq.values())) ** 0.5)
+    return {"reference": "eager-fp32", "at": args.at, "seed": args.seed,
+            "batches": list(range(args.at, args.at + args.batches)), "loss": losses,
+            "rel_err": rel_err, "rel_err_all": rel_err_all}
+
+
+def gradients_table(result: dict) -> str:
+    """Relative L2 error against the fp32 model's gradients, per group and variant,
+    averaged over the batches."""
+    names = list(result["rel_err"])
+    lines = [f"gradients against eager-fp32 after {result['at']} steps, batches "
+             f"{result['batches']}: relative L2 error (mean over the batches)",
+             f"{'parameter group':40s}" + "".join(f"{n:>14s}" for n in names)]
+    for group in result["rel_err"][names[0]]:
+        lines.append(f"{group:40s}" + "".join(f"{fmean(result['rel_err'][n][group]):14.3e}"
+                                              for n in names))
+    lines.append(f"{'all parameters':40s}" + "".join(f"{fmean(result['rel_err_all'][n]):14.3e}"
+                                                     for n in names))
+    ref = result["loss"]["eager-fp32"]
+    lines.append(f"{'|loss - fp32 loss|':40s}" + "".join(
+        f"{fmean([abs(a - b) for a, b in zip(result['loss'][n], ref)]):14.3e}" for n in names))
+    return "\n".join(lines)
 
 
 def plot_parity(result: dict, path: Path, title: str) -> None:
