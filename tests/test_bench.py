@@ -107,6 +107,20 @@ def test_gradients_against_the_fp32_model_at_a_point_of_the_parity_run(tmp_path)
         assert r.returncode == 2 and str(bad) in r.stderr
 
 
+def test_the_fp32_reference_runs_without_tf32_and_the_settings_come_back():
+    from fusedtrain.bench.training import _tf32_off
+
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+        with _tf32_off():
+            assert not torch.backends.cuda.matmul.allow_tf32
+            assert not torch.backends.cudnn.allow_tf32
+        assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
 def test_a_variant_over_its_time_limit_is_recorded_and_the_rest_still_run(tmp_path):
     r = subprocess.run(BENCH + ["train", "--model", "tiny", "--batch", "2", "--seq", "16",
                                 "--steps", "2", "--warmup", "1", "--variant-timeout", "3",

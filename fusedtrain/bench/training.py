@@ -9,6 +9,8 @@ from __future__ import annotations
 import re
 import signal
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from statistics import fmean
 
@@ -365,6 +367,19 @@ def parity_variants() -> dict[str, dict]:
     return v
 
 
+@contextmanager
+def _tf32_off() -> Iterator[None]:
+    """Full fp32 inside: the fp32 model is the reference only if none of its GEMMs or
+    cuDNN kernels round their inputs to TF32 (cuDNN may by default). bf16 work is
+    unaffected."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
 def _max_abs_diff(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) for x, y in zip(a, b))
 
@@ -402,8 +417,9 @@ def run_parity(args) -> dict:
                          f"got {names}")
     curves = {}
     for name in names:
-        r = bench_train_variant(args.model, args.batch, args.seq, args.steps, 0,
-                                known[name], device, args.data, args.seed)
+        with _tf32_off():
+            r = bench_train_variant(args.model, args.batch, args.seq, args.steps, 0,
+                                    known[name], device, args.data, args.seed)
         curves[name] = r["losses"]
     ref = names[0]
     diffs = {n: _max_abs_diff(curves[ref], curves[n]) for n in names[1:]}
@@ -456,10 +472,11 @@ def run_gradients(args) -> dict:
     def gradients(name: str, batch: torch.Tensor) -> tuple[float, dict[str, torch.Tensor]]:
         m, _, _ = train_setup(*shape[:3], 1, known[name], device, "synthetic", args.seed)
         m.load_state_dict(state)
-        with torch.autocast(device, dtype=torch.bfloat16,
-                            enabled=device == "cuda" and known[name].get("autocast", True)):
-            loss = m.loss(batch[:, :-1], batch[:, 1:])
-        loss.backward()
+        autocast = device == "cuda" and known[name].get("autocast", True)
+        with _tf32_off():
+            with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
+                loss = m.loss(batch[:, :-1], batch[:, 1:])
+            loss.backward()
         return loss.item(), {n: p.grad.double() for n, p in m.named_parameters()
                              if p.grad is not None}
 
