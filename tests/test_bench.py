@@ -101,10 +101,13 @@ def test_gradients_against_the_fp32_model_at_a_point_of_the_parity_run(tmp_path)
     assert all(e == [0.0, 0.0] for e in err["eager-sdpa"].values())
     assert all(0 < max(e) < 1e-4 for e in err["fused"].values())
     assert "all parameters" in r.stdout
-    for bad in (["eager-fp32"], ["fused", "fused"], ["fused-graph"]):
+    for bad in (["eager-fp32"], ["fused", "fused"], ["fused-graph"], ["compile-fused"]):
         r = subprocess.run(BENCH + ["gradients", "--variants", *bad, "--out", str(tmp_path)],
                            capture_output=True, text=True, timeout=600)
         assert r.returncode == 2 and str(bad) in r.stderr
+    r = subprocess.run(BENCH + ["gradients", "--batches", "0", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 2 and "--batches >= 1" in r.stderr
 
 
 def test_the_fp32_reference_runs_without_tf32_and_the_settings_come_back():
