@@ -167,6 +167,7 @@ def main(argv=None) -> int:
 
         results = training.run_train(args, save)
         save(results)
+        print(training.train_table(results))
         training.plot_train(results, out / "train.png", training.train_chart_title(info))
         return 0
     if not torch.cuda.is_available():

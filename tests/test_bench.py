@@ -25,6 +25,12 @@ def test_train_benchmark_runs_on_the_tiny_model(tmp_path):
         assert len(v["step_ms"]) == 2 and min(v["step_ms"]) > 0
         assert v["step_ms_median"] == pytest.approx(torch.tensor(v["step_ms"]).median().item())
     assert results["fused"]["speedup_vs"]["eager-math"] > 0
+    by_median = results["fused"]["speedup_vs_by_median_step"]["eager-math"]
+    assert by_median == pytest.approx(results["eager-math"]["step_ms_median"]
+                                      / results["fused"]["step_ms_median"])
+    summary = r.stdout[r.stdout.index("speedup vs eager-math"):]  # the table at the end
+    assert re.search(rf"fused .* {results['fused']['speedup_vs']['eager-math']:.3f} "
+                     rf"\({by_median:.3f}\)", summary)
     assert (tmp_path / "train.png").stat().st_size > 0
 
 
@@ -101,13 +107,26 @@ def test_gradients_against_the_fp32_model_at_a_point_of_the_parity_run(tmp_path)
     assert all(e == [0.0, 0.0] for e in err["eager-sdpa"].values())
     assert all(0 < max(e) < 1e-4 for e in err["fused"].values())
     assert "all parameters" in r.stdout
-    for bad in (["eager-fp32"], ["fused", "fused"], ["fused-graph"], ["compile-fused"]):
-        r = subprocess.run(BENCH + ["gradients", "--variants", *bad, "--out", str(tmp_path)],
-                           capture_output=True, text=True, timeout=600)
-        assert r.returncode == 2 and str(bad) in r.stderr
-    r = subprocess.run(BENCH + ["gradients", "--batches", "0", "--out", str(tmp_path)],
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 2 and "--batches >= 1" in r.stderr
+    r = subprocess.run(BENCH + ["gradients", "--variants", "compile-fused", "--out",
+                                str(tmp_path / "bad")], capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 2 and "['compile-fused']" in r.stderr
+    assert not (tmp_path / "bad").exists()
+
+
+def test_gradients_refuses_what_it_cannot_compare():
+    from argparse import Namespace
+
+    from fusedtrain.bench.training import run_gradients
+
+    ok = dict(model="tiny", batch=2, seq=16, at=1, batches=1, seed=0, data="synthetic",
+              variants=None)
+    for bad in (["eager-fp32"], ["fused", "fused"], ["fused-graph"], ["nope"]):
+        with pytest.raises(ValueError, match=re.escape(str(bad))):
+            run_gradients(Namespace(**{**ok, "variants": bad}))
+    for at, batches in ((-1, 1), (1, 0)):
+        with pytest.raises(ValueError, match="--at >= 0 and --batches >= 1"):
+            run_gradients(Namespace(**{**ok, "at": at, "batches": batches}))
 
 
 def test_the_fp32_reference_runs_without_tf32_and_the_settings_come_back():

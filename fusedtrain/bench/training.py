@@ -340,10 +340,38 @@ def run_train(args, save=lambda results: None) -> dict:
               flush=True)
     base = {k: results[k]["tokens_per_s"] for k in ("eager-math", "eager-sdpa", "compile-sdpa")
             if "tokens_per_s" in results.get(k, {})}
+    base_ms = {k: results[k]["step_ms_median"] for k in base}
     for r in results.values():
         if "tokens_per_s" in r:
             r["speedup_vs"] = {k: r["tokens_per_s"] / v for k, v in base.items()}
+            # Robust to a few slow steps, which the wall-time rate is not.
+            r["speedup_vs_by_median_step"] = {k: v / r["step_ms_median"]
+                                              for k, v in base_ms.items()}
     return results
+
+
+def train_table(results: dict) -> str:
+    """The summary table of a `bench.py train` run: one row per variant, speedups by
+    tokens/s (and by median step) against the eager and compiled baselines that ran."""
+    bases = [k for k in ("eager-math", "eager-sdpa", "compile-sdpa")
+             if "tokens_per_s" in results.get(k, {})]
+    head = (f"{'variant':22s}{'tokens/s':>10s}{'step ms (p10-p90)':>26s}{'MFU':>7s}"
+            f"{'peak GiB':>10s}{'MHz':>6s}  speedup vs {' / '.join(bases) or '-'}"
+            f" (by median step)")
+    lines = [head]
+    for name, r in results.items():
+        if "tokens_per_s" not in r:
+            lines.append(f"{name:22s}  {r.get('error', 'no result')}")
+            continue
+        ms = f"{r['step_ms_median']:.2f} ({r['step_ms_p10']:.2f}-{r['step_ms_p90']:.2f})"
+        mfu, mem, mhz = r.get("mfu"), r["peak_mem_GiB"], r.get("sm_clock_mhz_median")
+        by_rate = " / ".join(f"{r['speedup_vs'][b]:.3f}" for b in bases)
+        by_median = " / ".join(f"{r['speedup_vs_by_median_step'][b]:.3f}" for b in bases)
+        lines.append(f"{name:22s}{r['tokens_per_s'] / 1e3:9.1f}k{ms:>26s}"
+                     f"{'-' if mfu is None else f'{mfu:.3f}':>7s}"
+                     f"{'-' if mem is None else f'{mem:.2f}':>10s}"
+                     f"{'-' if mhz is None else f'{mhz:.0f}':>6s}  {by_rate} ({by_median})")
+    return "\n".join(lines)
 
 
 # The fp32 model first: the trajectory every bf16 run strays from, and what each is
