@@ -152,8 +152,11 @@ def test_resuming_another_model_shape_is_refused_by_name(tmp_path):
 
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
 def test_signal_saves_a_checkpoint_and_exits(tmp_path, sig):
+    # Ctrl-C's SIGINT as at a terminal: a job a shell starts in the background (pytest
+    # under `nohup ... &`) inherits SIGINT ignored, and Python then keeps it ignored.
     patch = f"""
         import os, signal
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         from fusedtrain.module import GPTModule
         def term(self, outputs, batch, batch_idx):
             if self.global_step == 8:
