@@ -501,9 +501,15 @@ def run_gradients(args) -> dict:
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     del model, step
 
+    models = {}  # one per variant, built on first use, all holding `state`
+
     def gradients(name: str, batch: torch.Tensor) -> tuple[float, dict[str, torch.Tensor]]:
-        m, _, _ = train_setup(*shape[:3], 1, known[name], device, "synthetic", args.seed)
-        m.load_state_dict(state)
+        if name not in models:
+            models[name] = train_setup(*shape[:3], 1, known[name], device, "synthetic",
+                                       args.seed)[0]
+            models[name].load_state_dict(state)
+        m = models[name]
+        m.zero_grad(set_to_none=True)
         autocast = device == "cuda" and known[name].get("autocast", True)
         with _tf32_off():
             with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
