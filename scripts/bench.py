@@ -60,6 +60,14 @@ def _run_shape_args(parser: argparse.ArgumentParser, steps: int) -> None:
                              "does with autograd_threads=true")
 
 
+def run_info(args: argparse.Namespace, *options: str) -> dict:
+    """What a run's JSON says it measured on: the GPU and versions (kernels.env), or the
+    CPU, and the command's `options` as given."""
+    info = kernels.env() if torch.cuda.is_available() else {"device": "cpu"}
+    info.update({k: getattr(args, k) for k in options})
+    return info
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -127,6 +135,7 @@ def main(argv=None) -> int:
             return 2
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
+        result["env"] = run_info(args, "model", "batch", "seq", "steps", "data", "seed")
         (out / "parity.json").write_text(json.dumps(result, indent=1))
         dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU, fp32"
         training.plot_parity(result, out / "parity.png",
@@ -142,6 +151,7 @@ def main(argv=None) -> int:
         print(training.gradients_table(result))
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
+        result["env"] = run_info(args, "model", "batch", "seq", "at", "batches", "data", "seed")
         (out / "gradients.json").write_text(json.dumps(result, indent=1))
         return 0
     if args.cmd == "profile":
@@ -157,9 +167,8 @@ def main(argv=None) -> int:
     if args.cmd == "train":
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        info = kernels.env() if torch.cuda.is_available() else {"device": "cpu"}
-        info.update(model=args.model, batch=args.batch, seq=args.seq, steps=args.steps,
-                    compile_mode=args.compile_mode, autograd_threads=args.autograd_threads)
+        info = run_info(args, "model", "batch", "seq", "steps", "compile_mode",
+                        "autograd_threads")
         print(json.dumps(info), flush=True)
         def save(results):
             (out / "train.json").write_text(json.dumps({"env": info, "results": results},

@@ -41,6 +41,8 @@ def test_loss_parity_on_the_tiny_model(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     result = json.loads((tmp_path / "parity.json").read_text())
     assert result["reference"] == "eager-fp32" and result["seed"] == 0
+    assert result["env"] == {"device": "cpu", "model": "tiny", "batch": 2, "seq": 16,
+                             "steps": 4, "data": "synthetic", "seed": 0}
     assert list(result["curves"]) == ["eager-fp32", "eager-sdpa", "fused", "eager-math"]
     assert all(len(c) == 4 for c in result["curves"].values())
     diffs = result["max_abs_diff_vs_reference"]
@@ -97,6 +99,8 @@ def test_gradients_against_the_fp32_model_at_a_point_of_the_parity_run(tmp_path)
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     result = json.loads((tmp_path / "gradients.json").read_text())
+    assert result["env"] == {"device": "cpu", "model": "tiny", "batch": 2, "seq": 16, "at": 2,
+                             "batches": 2, "data": "synthetic", "seed": 0}
     assert result["batches"] == [2, 3] and set(result["loss"]) == {
         "eager-fp32", "eager-sdpa", "eager-math", "fused"}
     err = result["rel_err"]
