@@ -4,6 +4,7 @@ import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -32,6 +33,9 @@ def test_train_benchmark_runs_on_the_tiny_model(tmp_path):
     assert re.search(rf"fused .* {results['fused']['speedup_vs']['eager-math']:.3f} "
                      rf"\({by_median:.3f}\)", summary)
     assert (tmp_path / "train.png").stat().st_size > 0
+    assert all("host_cpu_self" in v for v in results.values())
+    assert results["fused"]["host_cpu_self"] > 0.5  # the interpreter: host work throughout
+    assert re.search(r"MHz +CPUs  speedup vs", r.stdout)
 
 
 def test_loss_parity_on_the_tiny_model(tmp_path):
@@ -348,3 +352,32 @@ def test_clock_sampler_gives_up_on_an_nvidia_smi_that_prints_nothing(tmp_path, m
     with gpu_clocks.ClockSampler(device=0) as s:
         pass
     assert s.summary is None and time.monotonic() - t0 < 5
+
+
+def test_proc_stat_gives_busy_and_stolen_ticks():
+    from fusedtrain.bench.host_load import machine_ticks
+
+    text = ("cpu  100 5 20 9000 40 3 2 7 11 0\n"
+            "cpu0 50 2 10 4500 20 1 1 3 5 0\nintr 1 2 3\n")
+    assert machine_ticks(text) == (100 + 5 + 20 + 3 + 2, 7)  # idle, iowait, steal out
+    with pytest.raises(ValueError):
+        machine_ticks("intr 1 2 3\n")
+
+
+def test_host_load_counts_a_busy_thread_as_one_core(monkeypatch):
+    from fusedtrain.bench import host_load
+
+    with host_load.HostLoad() as h:
+        t_end = time.perf_counter() + 0.5
+        while time.perf_counter() < t_end:  # one thread, busy throughout
+            pass
+    s = h.summary
+    assert 0.8 < s["host_cpu_self"] < 1.2 and s["host_cpus"] == os.cpu_count()
+    assert s["host_cpu_all"] > 0.7 and 0 <= s["host_cpu_steal"] < s["host_cpus"]
+    with host_load.HostLoad() as h:
+        time.sleep(0.3)  # waiting costs no CPU
+    assert h.summary["host_cpu_self"] < 0.2
+    monkeypatch.setattr(host_load, "_PROC_STAT", Path("/nonexistent"))
+    with host_load.HostLoad() as h:  # no /proc/stat: the process's own figure only
+        pass
+    assert set(h.summary) == {"host_cpu_self", "host_cpus"}

@@ -1,0 +1,73 @@
+"""How busy the host's CPUs were while timed steps ran, from the kernel's own counters.
+
+Why a benchmark reports it: an ungraphed training step is issued by one Python thread,
+and on a slow or busy host that thread, not the GPU, sets the pace. The same code has run
+at 29.8 ms a step on one H200 host and 47 ms on another, while its CUDA-graphed twin ran
+at 29.8 ms on both (docs/perf-notes.md, thirty-fourth round). Three figures, in cores
+(1.0 = one CPU busy for the whole block), tell the causes apart:
+
+  host_cpu_self   this process (all its threads). Near 1: the loop's thread alone. Well
+                  above 1: other threads of the process ran too, and in Python they
+                  take the GIL from the loop.
+  host_cpu_all    every CPU of the machine, this process included: beyond host_cpu_self,
+                  other processes (compile workers, another job) were running.
+  host_cpu_steal  time the hypervisor gave this VM's CPUs to someone else.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+_PROC_STAT = Path("/proc/stat")
+
+
+def machine_ticks(text: str) -> tuple[int, int]:
+    """/proc/stat's text -> (busy, stolen) clock ticks of all CPUs since boot. Busy is
+    everything but idle, iowait and steal (guest time is already inside user time)."""
+    for line in text.splitlines():
+        fields = line.split()
+        if fields and fields[0] == "cpu":
+            user, nice, system, idle, iowait, irq, softirq, steal = map(int, fields[1:9])
+            return user + nice + system + irq + softirq, steal
+    raise ValueError("no aggregate 'cpu' line in /proc/stat")
+
+
+def _read_machine() -> tuple[int, int] | None:
+    try:
+        return machine_ticks(_PROC_STAT.read_text())
+    except (OSError, ValueError):
+        return None  # not Linux, or a /proc this parser does not know
+
+
+def _process_seconds() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+class HostLoad:
+    """`with HostLoad() as h: ...`; then `h.summary`: host_cpu_self, host_cpu_all and
+    host_cpu_steal in cores over the block (the last two only where /proc/stat is
+    readable), and host_cpus, the machine's CPU count."""
+
+    def __init__(self):
+        self.summary: dict | None = None
+
+    def __enter__(self) -> HostLoad:
+        self._machine = _read_machine()
+        self._self = _process_seconds()
+        self._wall = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        wall = time.perf_counter() - self._wall
+        if wall <= 0:
+            return
+        self.summary = {"host_cpu_self": (_process_seconds() - self._self) / wall,
+                        "host_cpus": os.cpu_count()}
+        end = _read_machine()
+        if self._machine is not None and end is not None:
+            ticks = wall * os.sysconf("SC_CLK_TCK")
+            self.summary["host_cpu_all"] = (end[0] - self._machine[0]) / ticks
+            self.summary["host_cpu_steal"] = (end[1] - self._machine[1]) / ticks
