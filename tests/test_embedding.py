@@ -5,9 +5,9 @@ import functools
 
 import pytest
 import torch
-from torch.autograd import gradcheck
 
 from fusedtrain import eager, ops
+from fusedtrain.gradcheck import gradcheck
 
 F64 = torch.float64
 

@@ -1,9 +1,9 @@
 import pytest
 import torch
 from conftest import check_against_oracle, grads_of
-from torch.autograd import gradcheck
 
 from fusedtrain import eager, ops
+from fusedtrain.gradcheck import gradcheck
 
 F64 = torch.float64
 

@@ -6,10 +6,10 @@ from contextlib import nullcontext
 
 import pytest
 import torch
-from torch.autograd import gradcheck
 
 from fusedtrain import eager, ops
 from fusedtrain.casts import grouped_casts
+from fusedtrain.gradcheck import gradcheck
 
 F64 = torch.float64
 

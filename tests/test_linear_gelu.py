@@ -5,9 +5,9 @@ import torch
 import triton
 import triton.language as tl
 from conftest import check_against_oracle, grads_of
-from torch.autograd import gradcheck
 
 from fusedtrain import eager, ops
+from fusedtrain.gradcheck import gradcheck
 from fusedtrain.kernels._common import (
     FAST_ERF,
     FAST_TANH,
