@@ -372,8 +372,9 @@ def test_host_load_counts_a_busy_thread_as_one_core(monkeypatch):
         while time.perf_counter() < t_end:  # one thread, busy throughout
             pass
     s = h.summary
-    assert 0.8 < s["host_cpu_self"] < 1.2 and s["host_cpus"] == os.cpu_count()
-    assert s["host_cpu_all"] > 0.7 and 0 <= s["host_cpu_steal"] < s["host_cpus"]
+    # Loose bounds: a shared CI machine may give the thread less than all of a core.
+    assert 0.5 < s["host_cpu_self"] < 1.5 and s["host_cpus"] == os.cpu_count()
+    assert s["host_cpu_all"] > 0.5 and 0 <= s["host_cpu_steal"] < s["host_cpus"]
     with host_load.HostLoad() as h:
         time.sleep(0.3)  # waiting costs no CPU
     assert h.summary["host_cpu_self"] < 0.2
