@@ -483,6 +483,15 @@ def _parameter_group(name: str) -> str:
     return re.sub(r"\.\d+\.", ".*.", name)
 
 
+def _squares_by_group(tensors: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Sum of squares of the named tensors, per parameter group (_parameter_group)."""
+    sums: dict[str, float] = {}
+    for name, t in tensors.items():
+        group = _parameter_group(name)
+        sums[group] = sums.get(group, 0.0) + t.pow(2).sum().item()
+    return sums
+
+
 def run_gradients(args) -> dict:
     """One step's gradients at a point of the parity run: the eager bf16 model trained
     `args.at` steps (parity's seed and batches), then on each of the next `args.batches`
@@ -530,17 +539,11 @@ def run_gradients(args) -> dict:
     for b in range(args.at, args.at + args.batches):
         ref_loss, ref = gradients("eager-fp32", data[b])
         losses["eager-fp32"].append(ref_loss)
-        ref_sq = {}
-        for n, g in ref.items():
-            group = _parameter_group(n)
-            ref_sq[group] = ref_sq.get(group, 0.0) + g.pow(2).sum().item()
+        ref_sq = _squares_by_group(ref)
         for name in names:
             loss, grads = gradients(name, data[b])
             losses[name].append(loss)
-            err_sq = {}
-            for n, g in grads.items():
-                group = _parameter_group(n)
-                err_sq[group] = err_sq.get(group, 0.0) + (g - ref[n]).pow(2).sum().item()
+            err_sq = _squares_by_group({n: g - ref[n] for n, g in grads.items()})
             for group, e in err_sq.items():
                 rel_err[name].setdefault(group, []).append((e / max(ref_sq[group], 1e-300))
                                                            ** 0.5)
