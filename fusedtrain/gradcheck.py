@@ -145,9 +145,11 @@ def check_model(cfg: GPTConfig, dtype: torch.dtype, device: str, batch: int = 2,
     return results
 
 
-def accuracy_report(draws: int, device: str, dtype: torch.dtype, large: bool) -> dict:
+def accuracy_report(draws: int, device: str, dtype: torch.dtype, large: bool,
+                    on_op: Callable[[str, dict], None] | None = None) -> dict:
     """For each op: over `draws` fresh random inputs, the distribution (max, p99, mean) of
-    |fused - fp64 reference| next to the eager op's, for the forward output."""
+    |fused - fp64 reference| next to the eager op's, for the forward output. `on_op(name,
+    summary)` is called as each op's summary is ready (the large shapes take minutes)."""
     from fusedtrain import ops
 
     if large:
@@ -196,6 +198,8 @@ def accuracy_report(draws: int, device: str, dtype: torch.dtype, large: bool) ->
                 errs[impl].append(torch.cat([(o.double() - rr).abs().flatten()
                                              for o, rr in zip(outs, refs)]).cpu())
         report[op_name] = {impl: _summary(torch.cat(v)) for impl, v in errs.items()}
+        if on_op is not None:
+            on_op(op_name, report[op_name])
     return report
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import hydra
@@ -76,15 +77,18 @@ def run(cfg: DictConfig) -> int:
     if "report" in parts:
         out = Path(HydraConfig.get().runtime.output_dir)
         dt = torch.bfloat16 if device == "cuda" else torch.float32
-        report = G.accuracy_report(int(opts.get("draws", 5)), device, dt, device == "cuda")
+        started = time.perf_counter()
+
+        def show(name: str, v: dict) -> None:
+            print(f"report {name:<20} fused max {v['fused']['max']:.2e} p99 "
+                  f"{v['fused']['p99']:.2e} | eager max {v['eager']['max']:.2e} p99 "
+                  f"{v['eager']['p99']:.2e}  [{time.perf_counter() - started:.0f}s]", flush=True)
+
+        report = G.accuracy_report(int(opts.get("draws", 5)), device, dt, device == "cuda", show)
         (out / "accuracy.json").write_text(json.dumps(report, indent=1))
         title = (f"{torch.cuda.get_device_name() if device == 'cuda' else 'CPU'}, {dt}, "
                  f"torch {torch.__version__}")
         plot_report(report, out / "accuracy.png", title)
-        for name, v in report.items():
-            print(f"report {name:<16} fused max {v['fused']['max']:.2e} p99 "
-                  f"{v['fused']['p99']:.2e} | eager max {v['eager']['max']:.2e} p99 "
-                  f"{v['eager']['p99']:.2e}")
         print(f"accuracy report: {out / 'accuracy.json'}, {out / 'accuracy.png'}")
     failed = [r for r in results if not r.passed]
     for r in failed:

@@ -24,6 +24,16 @@ def test_ops_and_model_parts_pass():
     assert any(r.name.endswith("mlp.c_fc.weight") for r in results)
 
 
+@pytest.mark.gpu
+def test_ops_and_model_parts_pass_on_the_gpu():
+    # The fp64 kernels compiled for the GPU, not interpreted: the interpreter accepts what
+    # triton's compiler rejects (an fp64 accumulator in tl.dot without out_dtype did).
+    results = G.check_ops(ALL, "cuda") + G.check_model(GPTConfig(**TINY, kernels=ALL),
+                                                        torch.bfloat16, "cuda")
+    failed = [f"{r.name}: {r.detail}" for r in results if not r.passed]
+    assert not failed
+
+
 def test_a_wrong_gradient_fails_and_is_named(monkeypatch):
     original = ln_ops.LayerNormFunction.backward
 

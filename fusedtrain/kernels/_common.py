@@ -246,7 +246,7 @@ def matmul_acc(acc, a_ptr, b_ptr, a_rows, b_cols, rows_ok, cols_ok,
                     mask=k_ok[:, None] & cols_ok[None, :], other=0.0)
         if B_GELU:
             b = gelu_operand(b, APPROX, acc.dtype)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION, out_dtype=acc.dtype)
     return acc
 
 

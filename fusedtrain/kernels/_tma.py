@@ -205,7 +205,7 @@ def tma_matmul(a_desc, b_desc, off_m, off_n, k_start, k_len,
         b = tl.trans(b_desc.load([off_n, k])) if B_TRANS else b_desc.load([k, off_n])
         if A_GELU:
             a = gelu_operand(a, APPROX, ACC)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION, out_dtype=acc.dtype)
     return acc
 
 

@@ -248,7 +248,8 @@ def _head_rows_matmul(acc, g_desc, w_desc, row0, T, D, w_row0, off_n, C,
     (b*H + h)*T + t, and row0 is the tile's (b, 0, t0) row."""
     for k in range(0, C, BLOCK_K):
         a = g_desc.load([row0 + (k // D) * T, k % D])
-        acc = tl.dot(a, w_desc.load([w_row0 + k, off_n]), acc, input_precision=PRECISION)
+        acc = tl.dot(a, w_desc.load([w_row0 + k, off_n]), acc, input_precision=PRECISION,
+                     out_dtype=acc.dtype)
     return acc
 
 
@@ -297,7 +298,8 @@ def _segment_dw(g_desc, x_desc, dw_desc, seg: tl.constexpr, M, C, T, H, ACC: tl.
         acc = tl.full((BLOCK_M, BLOCK_N), 0.0, ACC)
         for k in range(0, M, BLOCK_K):
             a = tl.trans(g_desc.load([((k // T) * H + h) * T + k % T, 0]))
-            acc = tl.dot(a, x_desc.load([k, off_n]), acc, input_precision=PRECISION)
+            acc = tl.dot(a, x_desc.load([k, off_n]), acc, input_precision=PRECISION,
+                         out_dtype=acc.dtype)
         left, right = column_halves(acc, BLOCK_M, BLOCK_N)
         dw_desc.store([seg * C + off_c, off_n], left.to(dw_desc.dtype))
         dw_desc.store([seg * C + off_c, off_n + BLOCK_N // 2], right.to(dw_desc.dtype))
