@@ -35,7 +35,8 @@ def test_train_benchmark_runs_on_the_tiny_model(tmp_path):
     assert (tmp_path / "train.png").stat().st_size > 0
     assert all("host_cpu_self" in v for v in results.values())
     assert results["fused"]["host_cpu_self"] > 0.5  # the interpreter: host work throughout
-    assert re.search(r"MHz +CPUs  speedup vs", r.stdout)
+    assert all(v["host_python_ns"] > 0 for v in results.values())
+    assert re.search(r"MHz +CPUs +py ns  speedup vs", r.stdout)
 
 
 def test_loss_parity_on_the_tiny_model(tmp_path):
@@ -382,3 +383,11 @@ def test_host_load_counts_a_busy_thread_as_one_core(monkeypatch):
     with host_load.HostLoad() as h:  # no /proc/stat: the process's own figure only
         pass
     assert set(h.summary) == {"host_cpu_self", "host_cpus"}
+
+
+def test_python_speed_grows_with_the_work_an_iteration_does(monkeypatch):
+    from fusedtrain.bench import host_load
+
+    plain = host_load.python_speed_ns(2000, 3)
+    monkeypatch.setattr(host_load, "_probe_call", lambda a, key=0: sum(range(300)))
+    assert host_load.python_speed_ns(2000, 3) > 3 * plain > 0

@@ -12,6 +12,10 @@ at 29.8 ms on both (docs/perf-notes.md, thirty-fourth round). Three figures, in 
   host_cpu_all    every CPU of the machine, this process included: beyond host_cpu_self,
                   other processes (compile workers, another job) were running.
   host_cpu_steal  time the hypervisor gave this VM's CPUs to someone else.
+
+A loop's thread is busy (self near 1) whether it issues work or waits for the GPU, so
+these say nothing of how fast that thread is. python_speed_ns does: the time one host
+takes for a fixed piece of pure Python, comparable between hosts and runs.
 """
 
 from __future__ import annotations
@@ -44,6 +48,25 @@ def _read_machine() -> tuple[int, int] | None:
 def _process_seconds() -> float:
     t = os.times()
     return t.user + t.system
+
+
+def _probe_call(a: int, key: int = 0) -> tuple[int, int]:
+    return a, key
+
+
+def python_speed_ns(iterations: int = 20_000, repeats: int = 15) -> float:
+    """Nanoseconds an iteration of a fixed pure-Python loop takes on this host, best of
+    `repeats`: a call with a keyword argument, a tuple, a dict store, the stuff of a kernel
+    launch's host path. A host twice as slow here issues an ungraphed step's ~190 launches
+    about twice as slowly."""
+    best = float("inf")
+    for _ in range(repeats):
+        table: dict[int, tuple[int, int]] = {}
+        t0 = time.perf_counter()
+        for i in range(iterations):
+            table[i & 255] = _probe_call(i, key=i)
+        best = min(best, time.perf_counter() - t0)
+    return best / iterations * 1e9
 
 
 class HostLoad:

@@ -18,7 +18,7 @@ import torch
 
 from fusedtrain import ops
 from fusedtrain.bench.gpu_clocks import ClockSampler
-from fusedtrain.bench.host_load import HostLoad
+from fusedtrain.bench.host_load import HostLoad, python_speed_ns
 
 MODEL_CONFIGS = Path(__file__).resolve().parents[2] / "conf" / "model"  # Hydra's model group
 
@@ -162,8 +162,9 @@ def bench_train_variant(model_name: str, batch: int, seq: int, steps: int, warmu
     """Warm-up steps (compilation, autotuning), then `steps` timed steps issued back to
     back as a training loop would: tokens/s from the wall time of the timed steps (one
     sync at each end), per-step ms from CUDA events read afterwards, the GPU's SM
-    clock and power over those steps where nvidia-smi can tell (gpu_clocks), and how busy
-    the host's CPUs were meanwhile (host_load)."""
+    clock and power over those steps where nvidia-smi can tell (gpu_clocks), how busy
+    the host's CPUs were meanwhile and how fast the host ran Python just before
+    (host_load)."""
     from fusedtrain.module import peak_flops, python_heap_frozen
 
     cuda = device == "cuda"
@@ -179,6 +180,7 @@ def bench_train_variant(model_name: str, batch: int, seq: int, steps: int, warmu
             if cuda:
                 torch.cuda.synchronize()
             first_step_s = time.perf_counter() - t_step
+    python_ns = python_speed_ns()  # how fast this host runs Python, just before the steps
     # The heap frozen as a long training run's would be after its warm-up.
     with python_heap_frozen(), ClockSampler() as clocks, HostLoad() as host:
         if cuda:
@@ -206,7 +208,7 @@ def bench_train_variant(model_name: str, batch: int, seq: int, steps: int, warmu
            "step_ms_p90": times_t.quantile(0.9).item(), "step_ms": times,
            "first_step_s": first_step_s, "final_loss": losses[-1], "losses": losses,
            "peak_mem_GiB": torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None,
-           **(clocks.summary or {}), **(host.summary or {})}
+           **(clocks.summary or {}), **(host.summary or {}), "host_python_ns": python_ns}
     known = peak_flops() if cuda else None
     if known is not None:
         out["mfu"] = model.flops_per_token(seq) * tokens_per_s / known[1]
@@ -358,8 +360,8 @@ def train_table(results: dict) -> str:
     bases = [k for k in ("eager-math", "eager-sdpa", "compile-sdpa")
              if "tokens_per_s" in results.get(k, {})]
     head = (f"{'variant':22s}{'tokens/s':>10s}{'step ms (p10-p90)':>26s}{'MFU':>7s}"
-            f"{'peak GiB':>10s}{'MHz':>6s}{'CPUs':>10s}  speedup vs {' / '.join(bases) or '-'}"
-            f" (by median step)")
+            f"{'peak GiB':>10s}{'MHz':>6s}{'CPUs':>10s}{'py ns':>7s}"
+            f"  speedup vs {' / '.join(bases) or '-'} (by median step)")
     lines = [head]
     for name, r in results.items():
         if "tokens_per_s" not in r:
@@ -367,15 +369,17 @@ def train_table(results: dict) -> str:
             continue
         ms = f"{r['step_ms_median']:.2f} ({r['step_ms_p10']:.2f}-{r['step_ms_p90']:.2f})"
         mfu, mem, mhz = r.get("mfu"), r["peak_mem_GiB"], r.get("sm_clock_mhz_median")
-        # Cores busy in this process / on the whole machine (host_load).
+        # Cores busy in this process / on the whole machine; ns of the Python probe
+        # (host_load).
         cpus = (f"{r['host_cpu_self']:.1f}/{r['host_cpu_all']:.1f}" if "host_cpu_all" in r
                 else "-")
+        py = f"{r['host_python_ns']:.0f}" if "host_python_ns" in r else "-"
         by_rate = " / ".join(f"{r['speedup_vs'][b]:.3f}" for b in bases)
         by_median = " / ".join(f"{r['speedup_vs_by_median_step'][b]:.3f}" for b in bases)
         lines.append(f"{name:22s}{r['tokens_per_s'] / 1e3:9.1f}k{ms:>26s}"
                      f"{'-' if mfu is None else f'{mfu:.3f}':>7s}"
                      f"{'-' if mem is None else f'{mem:.2f}':>10s}"
-                     f"{'-' if mhz is None else f'{mhz:.0f}':>6s}{cpus:>10s}"
+                     f"{'-' if mhz is None else f'{mhz:.0f}':>6s}{cpus:>10s}{py:>7s}"
                      f"  {by_rate} ({by_median})")
     return "\n".join(lines)
 
