@@ -14,8 +14,10 @@ at 29.8 ms on both (docs/perf-notes.md, thirty-fourth round). Three figures, in 
   host_cpu_steal  time the hypervisor gave this VM's CPUs to someone else.
 
 A loop's thread is busy (self near 1) whether it issues work or waits for the GPU, so
-these say nothing of how fast that thread is. python_speed_ns does: the time one host
-takes for a fixed piece of pure Python, comparable between hosts and runs.
+these say nothing of how fast that thread is. python_speed_ns does: the time the host
+takes for a fixed piece of pure Python, at one moment. It is a snapshot: on the lent
+H200 hosts it jumps between two levels ~2x apart from one second to the next, in an
+idle process too (docs/perf-notes.md, thirty-fifth round).
 """
 
 from __future__ import annotations
