@@ -1,4 +1,5 @@
-"""How busy the host's CPUs were while timed steps ran, from the kernel's own counters.
+"""How busy the host's CPUs were while timed steps ran (from the kernel's own counters),
+and how fast the host runs Python.
 
 Why a benchmark reports it: an ungraphed training step is issued by one Python thread,
 and on a slow or busy host that thread, not the GPU, sets the pace. The same code has run
@@ -59,8 +60,7 @@ def _probe_call(a: int, key: int = 0) -> tuple[int, int]:
 def python_speed_ns(iterations: int = 20_000, repeats: int = 15) -> float:
     """Nanoseconds an iteration of a fixed pure-Python loop takes on this host, best of
     `repeats`: a call with a keyword argument, a tuple, a dict store, the stuff of a kernel
-    launch's host path. A host twice as slow here issues an ungraphed step's ~190 launches
-    about twice as slowly."""
+    launch's host path, whose ~190 launches an ungraphed step issues one by one."""
     best = float("inf")
     for _ in range(repeats):
         table: dict[int, tuple[int, int]] = {}
