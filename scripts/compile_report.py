@@ -16,7 +16,7 @@ triton==3.6.0`): the figures guide, the GPU decides.
       [--kernels fwd dkdv dq linear_gelu_fwd dgelu gelu_rhs qkv_fwd qkv_dx qkv_dw emb_fwd emb_bwd
                  linear_gelu_fwd_ws dgelu_ws qkv_fwd_ws ce_smem]
 
-The last four are Gluon kernels (the warp-specialised GEMMs of kernels._ws and the
+The last four are Gluon kernels (the warp-specialised GEMMs of kernels.gemm_gluon and the
 one-pass cross-entropy of kernels.cross_entropy_smem at GPT-2's vocabulary), written
 against the Gluon API of one triton release (_tma.GLUON_TRITON): with another, they are
 reported as skipped.
@@ -46,8 +46,8 @@ from fusedtrain.kernels import attention as A  # noqa: E402
 from fusedtrain.kernels import embedding as E  # noqa: E402
 from fusedtrain.kernels import linear_gelu as LG  # noqa: E402
 from fusedtrain.kernels import qkv as Q  # noqa: E402
-from fusedtrain.kernels._common import FAST_TANH  # noqa: E402
 from fusedtrain.kernels._tma import GLUON_TRITON, tma_config  # noqa: E402
+from fusedtrain.kernels.gelu import FAST_TANH  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -96,9 +96,9 @@ KERNELS = {"fwd": (A._attn_fwd_kernel, A.FWD_CONFIGS, {}),
 
 # Gluon kernels (name -> (module in fusedtrain.kernels, kernel, pointer types)), as the gpt2
 # step runs them: bias, h stored, tanh GELU, column sums; int64 targets and fp32 losses.
-WS_KERNELS = {"linear_gelu_fwd_ws": ("linear_gelu_ws", "_linear_gelu_fwd_ws_kernel", {}),
-              "dgelu_ws": ("linear_gelu_ws", "_matmul_dgelu_ws_kernel", {}),
-              "qkv_fwd_ws": ("qkv_ws", "_qkv_fwd_ws_kernel", {}),
+WS_KERNELS = {"linear_gelu_fwd_ws": ("linear_gelu_gluon", "_linear_gelu_fwd_ws_kernel", {}),
+              "dgelu_ws": ("linear_gelu_gluon", "_matmul_dgelu_ws_kernel", {}),
+              "qkv_fwd_ws": ("qkv_gluon", "_qkv_fwd_ws_kernel", {}),
               "ce_smem": ("cross_entropy_smem", "_ce_smem_kernel",
                           {"target_ptr": "*i64", "count_ptr": "*i64", "loss_ptr": "*fp32"})}
 
@@ -149,17 +149,17 @@ def ce_shape(vocab: int):
 
 
 def compile_ws(name: str, constexprs: dict, vocab: int = CE_VOCABS[0]):
-    """A Gluon kernel of WS_KERNELS, compiled as launched (kernels._ws.launch, or
+    """A Gluon kernel of WS_KERNELS, compiled as launched (kernels.gemm_gluon.launch, or
     cross_entropy_smem's launch shape for rows of `vocab` logits)."""
     import importlib
 
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from fusedtrain.kernels import _ws
+    from fusedtrain.kernels import gemm_gluon
 
     module, kernel, pointers = WS_KERNELS[name]
     fn = jit_function(getattr(importlib.import_module(f"fusedtrain.kernels.{module}"), kernel))
-    options = {"num_warps": 4, "maxnreg": _ws._MAXNREG}
+    options = {"num_warps": 4, "maxnreg": gemm_gluon._MAXNREG}
     if module == "cross_entropy_smem":
         shape = ce_shape(vocab)
         constexprs = {**constexprs, "NB": shape.boxes(vocab), "BOX": shape.box,
@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> None:
             if not triton.__version__.startswith(GLUON_TRITON):
                 print(f"{name}: skipped (a Gluon kernel, written for triton {GLUON_TRITON}x)")
                 continue
-            from fusedtrain.kernels import _ws
+            from fusedtrain.kernels import gemm_gluon
 
             if name == "ce_smem":
                 for vocab in CE_VOCABS:
@@ -224,8 +224,8 @@ def main(argv: list[str] | None = None) -> None:
                 continue
             compiled = compile_ws(name, constexprs)
             r = resources(compiled)
-            tile = (f"BLOCK_M {_ws.BM.value:3d} BLOCK_N {_ws.BN.value:3d} warps "
-                    f"{compiled.metadata.num_warps:2d} stages {_ws.STAGES.value}")
+            tile = (f"BLOCK_M {gemm_gluon.BM.value:3d} BLOCK_N {gemm_gluon.BN.value:3d} warps "
+                    f"{compiled.metadata.num_warps:2d} stages {gemm_gluon.STAGES.value}")
             print(f"{name:5s} {tile}: {r['registers']:3d} registers, {r['stack_bytes']:5d} B "
                   f"stack, {r['shared_bytes'] // 1024:3d} KiB shared", flush=True)
             continue

@@ -205,10 +205,10 @@ def test_gpu_shared_memory_kernel_matches_the_triton_kernels(M, V, dtype):
     for two CTAs per SM (100032: one CTA's launch shape); in place and not."""
     from fusedtrain.kernels import cross_entropy as K
     from fusedtrain.kernels import cross_entropy_smem
-    from fusedtrain.kernels._tma import ws_ok
+    from fusedtrain.kernels._tma import gluon_ok
 
     logits = (torch.randn(M, V, device="cuda") * 4).to(dtype)
-    if not ws_ok(logits):
+    if not gluon_ok(logits):
         pytest.skip("the Gluon kernels need an sm_90 GPU and their triton release")
     assert cross_entropy_smem.fits(logits)
     logits[0, : V // 2] = float("-inf")

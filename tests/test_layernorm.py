@@ -265,7 +265,7 @@ def test_layernorm_tiles_are_chosen_by_gpu_time():
     """The LayerNorm kernels run for microseconds, less than a launch's host cost: their
     autotuners time CUDA-graph replays, not back-to-back launches."""
     from fusedtrain.kernels import layernorm as K
-    from fusedtrain.kernels._common import graph_timed
+    from fusedtrain.kernels._tuning import graph_timed
 
     assert K._ln_fwd_kernel.do_bench is graph_timed
     assert K._ln_bwd_kernel.do_bench is graph_timed

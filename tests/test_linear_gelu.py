@@ -8,13 +8,7 @@ from conftest import check_against_oracle, grads_of
 
 from fusedtrain import eager, ops
 from fusedtrain.gradcheck import gradcheck
-from fusedtrain.kernels._common import (
-    FAST_ERF,
-    FAST_TANH,
-    gelu,
-    gelu_grad,
-    gelu_mode,
-)
+from fusedtrain.kernels.gelu import FAST_ERF, FAST_TANH, gelu, gelu_grad, gelu_mode
 
 F64 = torch.float64
 
@@ -271,10 +265,10 @@ def test_warp_specialised_kernels_stay_off_the_cpu_path(monkeypatch):
     from fusedtrain.kernels import _tma
 
     a = torch.randn(64, 72, dtype=torch.bfloat16)
-    assert not _tma.ws_ok(a, a)
+    assert not _tma.gluon_ok(a, a)
     monkeypatch.setattr(_tma, "INTERPRET", False)
     monkeypatch.setattr(triton, "__version__", _tma.GLUON_TRITON + "0")
-    assert not _tma.ws_ok(a, a)  # not on a GPU
+    assert not _tma.gluon_ok(a, a)  # not on a GPU
 
 
 def test_split_k_count_balances_the_persistent_grid(monkeypatch):
@@ -430,8 +424,8 @@ def test_gpu_warp_specialised_gemms_match_the_triton_kernels(M, K, N, approximat
     1 reach the kernels as constants). The same fp32 accumulation over the same K steps,
     so equal to a bf16 rounding; the column sums to fp32's."""
     from fusedtrain.kernels import linear_gelu as Kn
-    from fusedtrain.kernels import linear_gelu_ws
-    from fusedtrain.kernels._tma import tma_config, ws_ok
+    from fusedtrain.kernels import linear_gelu_gluon
+    from fusedtrain.kernels._tma import gluon_ok, tma_config
 
     dev = "cuda"
     x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
@@ -439,14 +433,14 @@ def test_gpu_warp_specialised_gemms_match_the_triton_kernels(M, K, N, approximat
     b = torch.randn(N, device=dev, dtype=torch.bfloat16) if bias else None
     dy = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
     w2 = (torch.randn(K, N, device=dev) / 9).bfloat16()
-    if not ws_ok(x, w, dy, w2):
+    if not gluon_ok(x, w, dy, w2):
         pytest.skip("the warp-specialised kernels need an sm_90 GPU and triton 3.6")
     cfg = tma_config(N)
     # The forward kernel itself (linear_gelu_fwd takes it only where N >= K).
     y, h, y_only = (torch.empty(M, N, device=dev, dtype=torch.bfloat16) for _ in range(3))
     approx = gelu_mode(approximate, x)
-    linear_gelu_ws.linear_gelu_fwd(x, w, b, y, h, approx)
-    linear_gelu_ws.linear_gelu_fwd(x, w, b, y_only, None, approx)
+    linear_gelu_gluon.linear_gelu_fwd(x, w, b, y, h, approx)
+    linear_gelu_gluon.linear_gelu_fwd(x, w, b, y_only, None, approx)
     y_ref, h_ref = Kn.linear_gelu_fwd(x, w, b, approximate, store_h=True, config=cfg)
     torch.testing.assert_close(h, h_ref)
     torch.testing.assert_close(y, y_ref)

@@ -256,15 +256,15 @@ def test_gpu_warp_specialised_forward_matches_the_triton_kernel(B, T, C, H, bias
     consumer, tiles of all three segments in one sequence; the same fp32 accumulation over
     the same K steps, so equal to a bf16 rounding."""
     from fusedtrain.kernels import qkv as Kn
-    from fusedtrain.kernels import qkv_ws
-    from fusedtrain.kernels._tma import tma_config, ws_ok
+    from fusedtrain.kernels import qkv_gluon
+    from fusedtrain.kernels._tma import gluon_ok, tma_config
 
     x = torch.randn(B, T, C, device="cuda", dtype=torch.bfloat16)
     w = (torch.randn(3 * C, C, device="cuda") / C ** 0.5).bfloat16()
     b = torch.randn(3 * C, device="cuda", dtype=torch.bfloat16) if bias else None
-    if not ws_ok(x, w):
+    if not gluon_ok(x, w):
         pytest.skip("the warp-specialised kernels need an sm_90 GPU and triton 3.6")
-    assert qkv_ws.fits(T, C, C // H)
+    assert qkv_gluon.fits(T, C, C // H)
     for got, ref in zip(Kn.qkv_fwd(x, w, b, H), Kn.qkv_fwd(x, w, b, H, config=tma_config(C))):
         torch.testing.assert_close(got, ref)
 

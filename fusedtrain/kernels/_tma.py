@@ -19,7 +19,6 @@ Kernels fall back to the pointer-based GEMMs (any strides, fp32/fp64 on the GPU)
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -27,7 +26,10 @@ import triton
 import triton.language as tl
 
 from fusedtrain.kernels import INTERPRET
-from fusedtrain.kernels._common import ceil_div, device_fn, gelu_operand, grouped_tile, sm_count
+from fusedtrain.kernels._device import ceil_div, sm_count
+from fusedtrain.kernels._gemm import grouped_tile
+from fusedtrain.kernels._primitives import device_fn
+from fusedtrain.kernels.gelu import gelu_operand
 
 
 @dataclass(frozen=True)
@@ -97,7 +99,7 @@ def tma_ok(*operands: torch.Tensor) -> bool:
                for t in operands)
 
 
-# The Gluon API the warp-specialised kernels (kernels._ws) are written against: it changes
+# The Gluon API the warp-specialised kernels (kernels.gemm_gluon) are written against: it changes
 # between triton releases (3.9 renamed its TMA copies), so other versions keep the Triton
 # kernels.
 GLUON_TRITON = "3.6."
@@ -108,12 +110,10 @@ def _sm90(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) == (9, 0)
 
 
-def ws_ok(*operands: torch.Tensor) -> bool:
-    """Whether a GEMM runs as a warp-specialised Gluon kernel (kernels._ws): on an sm_90 GPU
-    with triton 3.6, 16-bit operands of one dtype, each tma_aligned; unless the environment
-    sets FUSEDTRAIN_GLUON=0 (the Triton kernels then, e.g. for an A/B measurement)."""
+def gluon_ok(*operands: torch.Tensor) -> bool:
+    """Whether a GEMM runs as a warp-specialised Gluon kernel (kernels.gemm_gluon): on an sm_90 GPU
+    with triton 3.6, 16-bit operands of one dtype, each tma_aligned."""
     return (not INTERPRET and triton.__version__.startswith(GLUON_TRITON)
-            and os.environ.get("FUSEDTRAIN_GLUON", "1") != "0"
             and all(t.is_cuda and t.dtype in (torch.bfloat16, torch.float16)
                     and t.dtype == operands[0].dtype and tma_aligned(t) for t in operands)
             and _sm90(operands[0].device))

@@ -22,8 +22,8 @@ import triton
 import triton.language as tl
 
 from fusedtrain.kernels import INTERPRET
-from fusedtrain.kernels._common import mul_rounded
 from fusedtrain.kernels._launch import fast_launch
+from fusedtrain.kernels._primitives import mul_rounded
 
 # Elements a program updates (several BLOCK sweeps) and a sweep's width, at 4 warps: on an
 # H200 938 us for GPT-2's 124M parameters with their copies, against 1099 us at 32768 / 2048

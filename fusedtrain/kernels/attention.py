@@ -34,19 +34,16 @@ import torch
 import triton
 import triton.language as tl
 
-from fusedtrain.kernels._common import (
-    autotune,
-    cdiv,
+from fusedtrain.kernels._device import (
     ceil_div,
-    device_fn,
     dot_precision,
     l2_cache_bytes,
     next_pow2,
-    row_max,
-    row_sum,
     stat_dtype,
 )
+from fusedtrain.kernels._primitives import cdiv, device_fn, row_max, row_sum
 from fusedtrain.kernels._tma import enable_device_descriptors, matrix_desc, tma_ok
+from fusedtrain.kernels._tuning import autotune
 from fusedtrain.kernels.bias_grad import bias_grad
 
 LOG2E = 1.4426950408889634

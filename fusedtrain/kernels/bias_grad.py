@@ -21,16 +21,9 @@ import triton
 import triton.language as tl
 
 from fusedtrain.kernels import INTERPRET
-from fusedtrain.kernels._common import (
-    acc_dtype,
-    ceil_div,
-    device_fn,
-    next_pow2,
-    row_sum,
-    sm_count,
-    stat_dtype,
-)
+from fusedtrain.kernels._device import acc_dtype, ceil_div, next_pow2, sm_count, stat_dtype
 from fusedtrain.kernels._launch import fast_launch
+from fusedtrain.kernels._primitives import device_fn, row_sum
 
 # A (BLOCK_M, BLOCK_N) tile of 8K elements, 32 per thread at 8 warps: 16 KB of bf16 per
 # load, enough in flight with the loop's loads issued three tiles ahead.

@@ -25,9 +25,10 @@ import triton
 import triton.language as tl
 
 from fusedtrain.kernels import INTERPRET
-from fusedtrain.kernels._common import acc_dtype, ceil_div, device_fn, row_max, row_sum, stat_dtype
+from fusedtrain.kernels._device import acc_dtype, ceil_div, stat_dtype
 from fusedtrain.kernels._launch import fast_launch
-from fusedtrain.kernels._tma import ws_ok
+from fusedtrain.kernels._primitives import device_fn, row_max, row_sum
+from fusedtrain.kernels._tma import gluon_ok
 
 BLOCK_V = 1024 if INTERPRET else 4096
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -162,7 +163,7 @@ def cross_entropy_fwd_grad(logits: torch.Tensor, targets: torch.Tensor, ignore_i
     On an sm_90 GPU, where cross_entropy_smem.fits, one pass with each row in shared memory
     (the logits read once); elsewhere the forward kernel, then the backward one."""
     count = (targets != ignore_index).sum()
-    if ws_ok(logits):
+    if gluon_ok(logits):
         from fusedtrain.kernels import cross_entropy_smem  # Gluon: imported where it compiles
 
         if cross_entropy_smem.fits(logits):

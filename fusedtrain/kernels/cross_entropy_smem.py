@@ -24,9 +24,9 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
-from fusedtrain.kernels._common import ceil_div, sm_count
+from fusedtrain.kernels._device import ceil_div, sm_count
 from fusedtrain.kernels._launch import fast_launch
-from fusedtrain.kernels._tma import enable_device_descriptors, ws_ok
+from fusedtrain.kernels._tma import enable_device_descriptors, gluon_ok
 
 W = gl.constexpr(64)
 LOG2E = gl.constexpr(1.4426950408889634)
@@ -72,8 +72,8 @@ def launch_shape(logits: torch.Tensor) -> _Shape | None:
 def fits(logits: torch.Tensor) -> bool:
     """Whether the kernel takes these (M, V) logits: contiguous 16-bit rows that are whole
     sub-rows (V % 64 == 0), a row of them in a CTA's shared memory, on an sm_90 GPU with
-    the triton release the Gluon kernels are written for (kernels._tma.ws_ok)."""
-    return (ws_ok(logits) and logits.is_contiguous() and logits.shape[1] % W.value == 0
+    the triton release the Gluon kernels are written for (kernels._tma.gluon_ok)."""
+    return (gluon_ok(logits) and logits.is_contiguous() and logits.shape[1] % W.value == 0
             and launch_shape(logits) is not None)
 
 

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fusedtrain.kernels._common import ceil_div, stat_dtype
+from fusedtrain.kernels._device import ceil_div, stat_dtype
 from fusedtrain.kernels._launch import fast_launch
 
 # 16 tokens x 256 columns a program: 4K elements, 16 per thread at 8 warps (each with its

@@ -22,21 +22,11 @@ import triton
 import triton.language as tl
 
 from fusedtrain.kernels import INTERPRET
-from fusedtrain.kernels._common import (
-    acc_dtype,
-    cached_autotune,
-    ceil_div,
-    device_fn,
-    gelu,
-    gelu_grad,
-    gelu_mode,
-    graph_timed,
-    next_pow2,
-    row_sum,
-    sm_count,
-    stat_dtype,
-)
+from fusedtrain.kernels._device import acc_dtype, ceil_div, next_pow2, sm_count, stat_dtype
+from fusedtrain.kernels._primitives import device_fn, row_sum
+from fusedtrain.kernels._tuning import cached_autotune, graph_timed
 from fusedtrain.kernels.bias_grad import bias_grad
+from fusedtrain.kernels.gelu import gelu, gelu_grad, gelu_mode
 
 NO_GELU = -1
 MAX_C = 65536

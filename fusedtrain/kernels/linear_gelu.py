@@ -15,7 +15,7 @@ Each GEMM has two versions: a persistent one loading through TMA descriptors (Ho
 and a pointer-based one for every other case (any strides, fp32/fp64; block sizes from
 triton.autotune over Hopper-leaning tilings, keyed on M, N, K, cached on disk). On an
 sm_90 GPU the forward and dGELU GEMMs run instead as warp-specialised Gluon kernels
-(linear_gelu_ws), whose epilogues overlap the MMAs (where _tma.ws_ok allows).
+(linear_gelu_gluon), whose epilogues overlap the MMAs (where _tma.gluon_ok allows).
 """
 
 from __future__ import annotations
@@ -25,27 +25,14 @@ import triton
 import triton.language as tl
 
 from fusedtrain.kernels import INTERPRET
-from fusedtrain.kernels._common import (
-    INTERPRET_GEMM,
-    WIDE_GEMM,
-    acc_dtype,
-    autotune,
-    cdiv,
-    ceil_div,
-    device_fn,
-    gelu,
-    gelu_grad,
-    gelu_mode,
-    gemm_configs,
-    gemm_flags,
-    gemm_tile,
-    stat_dtype,
-    tile_ptrs,
-)
+from fusedtrain.kernels._device import acc_dtype, ceil_div, stat_dtype
+from fusedtrain.kernels._gemm import INTERPRET_GEMM, WIDE_GEMM, gemm_configs, gemm_flags, gemm_tile
 from fusedtrain.kernels._launch import fast_launch
+from fusedtrain.kernels._primitives import cdiv, device_fn, tile_ptrs
 from fusedtrain.kernels._tma import (
     TmaConfig,
     column_halves,
+    gluon_ok,
     k_splits,
     launch,
     matrix_desc,
@@ -55,9 +42,10 @@ from fusedtrain.kernels._tma import (
     tma_config,
     tma_matmul,
     tma_ok,
-    ws_ok,
 )
+from fusedtrain.kernels._tuning import autotune
 from fusedtrain.kernels.bias_grad import bias_grad, store_column_sums
+from fusedtrain.kernels.gelu import gelu, gelu_grad, gelu_mode
 
 
 @autotune(gemm_configs(), key=["M", "N", "K"], interpret=INTERPRET_GEMM, wide=WIDE_GEMM)
@@ -296,10 +284,10 @@ def linear_gelu_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     # The warp-specialised kernel where measured faster: at N >= K (H200: 141 against 159
     # us at 16384 x 768 x 3072, 886 against 914-1171 at 16384 x 2048 x 8192); at
     # 16384 x 3072 x 768 it took 136 us against the Triton kernel's 124-126.
-    if config is None and N >= K and ws_ok(x, weight, y):
-        from fusedtrain.kernels import linear_gelu_ws  # Gluon: imported where it compiles
+    if config is None and N >= K and gluon_ok(x, weight, y):
+        from fusedtrain.kernels import linear_gelu_gluon  # Gluon: imported where it compiles
 
-        linear_gelu_ws.linear_gelu_fwd(x, weight, bias, y, h, flags["APPROX"])
+        linear_gelu_gluon.linear_gelu_fwd(x, weight, bias, y, h, flags["APPROX"])
         return y, h
     if tma_ok(x, weight, y):
         cfg = config or tma_config(N)
@@ -336,11 +324,11 @@ def matmul_dgelu(dy: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, approximat
     dh = torch.empty((M, N), device=dy.device, dtype=dy.dtype)
     flags = gemm_flags(dy, approximate)
     col_sums = sums_dtype is not None
-    if config is None and ws_ok(dy, w2, h):
-        from fusedtrain.kernels import _ws, linear_gelu_ws
+    if config is None and gluon_ok(dy, w2, h):
+        from fusedtrain.kernels import gemm_gluon, linear_gelu_gluon
 
-        parts = _tile_column_sums(dh, _ws.BM.value) if col_sums else None
-        linear_gelu_ws.matmul_dgelu(dy, w2, h, dh, parts, flags["APPROX"])
+        parts = _tile_column_sums(dh, gemm_gluon.BM.value) if col_sums else None
+        linear_gelu_gluon.matmul_dgelu(dy, w2, h, dh, parts, flags["APPROX"])
         return dh, bias_grad(parts, sums_dtype) if col_sums else None
     if tma_ok(dy, w2, h):
         cfg = config or tma_config(N)

@@ -10,8 +10,8 @@ Every program works inside one segment, so its q/k/v pointer is a scalar choice.
 The forward and dx GEMMs have a persistent TMA version (kernels/_tma.py: Hopper, 16-bit,
 aligned operands; tiles from its measured table) beside the pointer-based one used for
 everything else (block sizes: triton.autotune over the shared tilings, keyed on (M, C)).
-On an sm_90 GPU the forward runs instead as a warp-specialised Gluon kernel (qkv_ws),
-whose epilogue overlaps the MMAs, where its tiles fit the heads (qkv_ws.fits).
+On an sm_90 GPU the forward runs instead as a warp-specialised Gluon kernel (qkv_gluon),
+whose epilogue overlaps the MMAs, where its tiles fit the heads (qkv_gluon.fits).
 """
 
 from __future__ import annotations
@@ -20,23 +20,21 @@ import torch
 import triton
 import triton.language as tl
 
-from fusedtrain.kernels._common import (
+from fusedtrain.kernels._device import ceil_div
+from fusedtrain.kernels._gemm import (
     INTERPRET_GEMM,
     WIDE_GEMM,
-    autotune,
-    cdiv,
-    ceil_div,
-    device_fn,
     gemm_configs,
     gemm_flags,
     grouped_tile,
     matmul_acc,
-    pick3,
 )
 from fusedtrain.kernels._launch import fast_launch
+from fusedtrain.kernels._primitives import cdiv, device_fn, pick3
 from fusedtrain.kernels._tma import (
     TmaConfig,
     column_halves,
+    gluon_ok,
     k_splits,
     launch,
     matrix_desc,
@@ -44,8 +42,8 @@ from fusedtrain.kernels._tma import (
     tma_config,
     tma_matmul,
     tma_ok,
-    ws_ok,
 )
+from fusedtrain.kernels._tuning import autotune
 
 
 @device_fn
@@ -340,10 +338,10 @@ def qkv_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n_
     flags = dict(HAS_BIAS=bias is not None, **gemm_flags(x))
     b_arg = bias if bias is not None else x
     if tma_ok(x, weight) and (B == 1 or x.stride(0) == T * x.stride(1)):
-        if config is None and ws_ok(x, weight):
-            from fusedtrain.kernels import qkv_ws  # Gluon: imported where it compiles
-            if qkv_ws.fits(T, C, D):
-                qkv_ws.qkv_fwd(x.reshape(M, C), weight, bias, q, k, v)
+        if config is None and gluon_ok(x, weight):
+            from fusedtrain.kernels import qkv_gluon  # Gluon: imported where it compiles
+            if qkv_gluon.fits(T, C, D):
+                qkv_gluon.qkv_fwd(x.reshape(M, C), weight, bias, q, k, v)
                 return q, k, v
         cfg = config or tma_config(C)
         tiles = ceil_div(M, cfg.block_m) * 3 * ceil_div(C, cfg.block_n)

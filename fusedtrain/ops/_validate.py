@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from fusedtrain.casts import autocast_dtype
-from fusedtrain.kernels._common import SUPPORTED_DTYPES
+from fusedtrain.kernels._device import SUPPORTED_DTYPES
 
 GELU_FORMS = ("none", "tanh")
 

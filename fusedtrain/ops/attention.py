@@ -6,7 +6,7 @@ import torch
 from torch.utils.flop_counter import register_flop_formula
 
 from fusedtrain.kernels import attention as K
-from fusedtrain.kernels._common import stat_dtype
+from fusedtrain.kernels._device import stat_dtype
 from fusedtrain.ops._registry import launcher
 from fusedtrain.ops._validate import autocast_cast, check_same, check_tensor
 

@@ -8,7 +8,7 @@ from torch.utils.flop_counter import register_flop_formula
 
 from fusedtrain.casts import cast_params
 from fusedtrain.kernels import cross_entropy as K
-from fusedtrain.kernels._common import stat_dtype
+from fusedtrain.kernels._device import stat_dtype
 from fusedtrain.ops._registry import launcher, runs_directly
 from fusedtrain.ops._validate import (
     autocast_params,

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from fusedtrain.kernels import embedding as K
-from fusedtrain.kernels._common import stat_dtype
+from fusedtrain.kernels._device import stat_dtype
 from fusedtrain.ops._registry import launcher
 from fusedtrain.ops._validate import check_index_tensor, check_same, check_tensor
 

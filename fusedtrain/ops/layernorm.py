@@ -12,7 +12,7 @@ import torch
 
 from fusedtrain import eager
 from fusedtrain.kernels import layernorm as K
-from fusedtrain.kernels._common import stat_dtype
+from fusedtrain.kernels._device import stat_dtype
 from fusedtrain.ops._registry import backward_wanted, launcher
 from fusedtrain.ops._validate import (
     autocast_dtype,

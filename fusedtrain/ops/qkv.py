@@ -8,7 +8,7 @@ from torch.utils.flop_counter import register_flop_formula
 from fusedtrain import eager
 from fusedtrain.casts import cast_params
 from fusedtrain.kernels import qkv as K
-from fusedtrain.kernels._common import stat_dtype
+from fusedtrain.kernels._device import stat_dtype
 from fusedtrain.kernels.bias_grad import bias_grad
 from fusedtrain.ops._registry import launcher
 from fusedtrain.ops._validate import autocast_cast, autocast_params, check_same, check_tensor

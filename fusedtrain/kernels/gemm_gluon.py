@@ -36,7 +36,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.language.core import _aggregate as aggregate
 
-from fusedtrain.kernels._common import ceil_div, sm_count
+from fusedtrain.kernels._device import ceil_div, sm_count
 from fusedtrain.kernels._tma import enable_device_descriptors
 
 # Tiles: 128 x 128 per consumer (a 128-register fp32 accumulator in each of its 128

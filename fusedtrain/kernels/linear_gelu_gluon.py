@@ -1,5 +1,5 @@
 """Linear+GELU forward and the MLP's dGELU GEMM as warp-specialised Gluon kernels for
-Hopper (the pipeline and its ping-pong consumers: kernels._ws). The same computations as
+Hopper (the pipeline and its ping-pong consumers: kernels.gemm_gluon). The same computations as
 linear_gelu's TMA kernels, which they replace on sm_90 GPUs; each consumer's epilogue
 runs under the other consumer's MMAs.
 
@@ -15,9 +15,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.language.core import _aggregate as aggregate
 
-from fusedtrain.kernels._common import gelu, gelu_grad
 from fusedtrain.kernels._launch import fast_launch
-from fusedtrain.kernels._ws import (
+from fusedtrain.kernels.gelu import gelu, gelu_grad
+from fusedtrain.kernels.gemm_gluon import (
     BK,
     BM,
     BN,

@@ -1,5 +1,5 @@
 """The fused QKV projection's forward as a warp-specialised Gluon kernel for Hopper (the
-pipeline and ping-pong consumers of kernels._ws): one GEMM over W_qkv = [Wq|Wk|Wv]
+pipeline and ping-pong consumers of kernels.gemm_gluon): one GEMM over W_qkv = [Wq|Wk|Wv]
 whose epilogue adds the bias and stores each head's (BM, D) block straight into q, k or
 v (B, H, T, D) by TMA, under the other consumer's MMAs. The same computation as
 qkv._qkv_fwd_tma_kernel's head-store path, which it replaces on sm_90 GPUs where every
@@ -14,7 +14,7 @@ from triton.experimental.gluon.language.nvidia.hopper import tma
 from triton.language.core import _aggregate as aggregate
 
 from fusedtrain.kernels._launch import fast_launch
-from fusedtrain.kernels._ws import (
+from fusedtrain.kernels.gemm_gluon import (
     BK,
     BM,
     BN,

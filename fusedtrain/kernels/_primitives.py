@@ -1,0 +1,115 @@
+"""Triton-language helpers every kernel family uses: reductions, a sigmoid, special-function
+instructions with interpreter twins, tile pointers.
+
+Kernels here use Triton's builtins only, never triton.language's own @jit helpers
+(tl.sum, tl.max, tl.zeros, tl.sigmoid, tl.cdiv, ...): when triton was imported
+before TRITON_INTERPRET was set (torch and lightning import it), those stay
+compiled-mode functions that the interpreter cannot call. The few we need are
+re-stated below on top of builtins (tl.reduce, tl.full, tl.exp); the reductions
+pass tl.sum's / tl.max's own combine functions to tl.reduce.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from fusedtrain.kernels import INTERPRET
+
+
+def device_fn(fn):
+    """@triton.jit for helpers called from kernels. Under the interpreter the helper
+    becomes its rewritten Python function: the interpreter would otherwise re-patch
+    triton.language on every helper call, which dominates its run time."""
+    jitted = triton.jit(fn)
+    return jitted.rewrite() if INTERPRET else jitted
+
+
+@triton.jit
+def _add(a, b):
+    return a + b
+
+
+@triton.jit
+def _maximum(a, b):
+    return tl.maximum(a, b)
+
+
+# The combine functions behind tl.sum / tl.max, when this Triton has them: the
+# interpreter recognises them and reduces with numpy instead of element by element.
+_SUM_COMBINE: tl.constexpr = getattr(tl.standard, "_sum_combine", _add)
+_MAX_COMBINE: tl.constexpr = getattr(tl.standard, "_elementwise_max", _maximum)
+
+
+@device_fn
+def row_sum(x, axis: tl.constexpr):
+    return tl.reduce(x, axis, _SUM_COMBINE)
+
+
+@device_fn
+def row_max(x, axis: tl.constexpr):
+    return tl.reduce(x, axis, _MAX_COMBINE)
+
+
+@device_fn
+def sigmoid(x):
+    return 1.0 / (1.0 + tl.exp(-x))
+
+
+@device_fn
+def cdiv(a, b):
+    return (a + b - 1) // b
+
+
+@device_fn
+def tanh_approx(x):
+    """tanh of fp32 x in one special-function-unit instruction (NVIDIA GPUs only)."""
+    return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
+                                     is_pure=True, pack=1)
+
+
+
+
+@device_fn
+def _reciprocal_rcp(x):
+    """1 / x of fp32 x in one special-function-unit instruction (relative error 1 ulp;
+    an IEEE division is a rcp plus a Newton step, a check and a slow path)."""
+    return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [x],
+                                     dtype=tl.float32, is_pure=True, pack=1)
+
+
+@device_fn
+def _reciprocal_div(x):
+    return 1.0 / x
+
+
+reciprocal = _reciprocal_div if INTERPRET else _reciprocal_rcp
+
+
+@device_fn
+def _mul_rn(a, b):
+    """a * b in fp32, rounded on its own: PTX's mul.rn is never contracted into an FMA
+    with a later addition, as a plain product may be, so the result is the bits that
+    multiplying in a separate pass (PyTorch's) stores."""
+    return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b],
+                                     dtype=tl.float32, is_pure=True, pack=1)
+
+
+@device_fn
+def _mul_plain(a, b):
+    return a * b
+
+
+mul_rounded = _mul_plain if INTERPRET else _mul_rn  # the interpreter's numpy never fuses
+
+
+@device_fn
+def tile_ptrs(ptr, offs_m, offs_n, s_m, s_n):
+    """Pointers of a (rows, cols) tile of a strided 2-D tensor, int64 offsets."""
+    return ptr + offs_m.to(tl.int64)[:, None] * s_m + offs_n.to(tl.int64)[None, :] * s_n
+
+
+@device_fn
+def pick3(i, p0, p1, p2):
+    """p0, p1 or p2 by a run-time index i in {0, 1, 2} (e.g. q, k or v)."""
+    return tl.where(i == 0, p0, tl.where(i == 1, p1, p2))
