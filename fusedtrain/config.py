@@ -10,7 +10,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from fusedtrain.data import DataConfig
 from fusedtrain.model import GPTConfig
-from fusedtrain.module import OptimConfig
+from fusedtrain.training.optimizer import OptimConfig
 
 
 class ConfigError(ValueError):

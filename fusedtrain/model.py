@@ -230,7 +230,7 @@ class GPT(nn.Module):
                         eager_attention: str | None = None) -> GPT:
         """A GPT from a safetensors file written by scripts/export.py, built fused or
         eager (`kernels`; default all eager): both paths share parameter names."""
-        from fusedtrain.checkpoint import load_safetensors
+        from fusedtrain.training.checkpoint import load_safetensors
 
         state, cfg = load_safetensors(path)
         if kernels is not None:

@@ -2,10 +2,9 @@
 
 `AdamW` is torch.optim.AdamW (same hyperparameters, state, checkpoints) with its step run
 by one Triton launch per parameter group that also writes each parameter's copy in
-`copy_dtype`, the autocast dtype. The copies are published to fusedtrain.casts, so the
-fused ops read them instead of casting the fp32 weights again: at GPT-2's size 2 bytes a
-parameter written in the optimizer's pass against 6 read and written by the casts
-(docs/perf-notes.md, twenty-second round).
+`copy_dtype`, the autocast dtype. The copies are published to fusedtrain.weight_copies,
+so the fused ops read them instead of casting the fp32 weights again: at GPT-2's size 2
+bytes a parameter written in the optimizer's pass against 6 read and written by the casts.
 """
 
 from __future__ import annotations
@@ -14,9 +13,9 @@ from collections import OrderedDict
 
 import torch
 
-from fusedtrain import casts
 from fusedtrain.kernels import INTERPRET
 from fusedtrain.kernels import adamw as kernel
+from fusedtrain.weight_copies import WEIGHT_COPIES
 
 # Tables kept per optimizer, one per set of addresses seen lately; those made while a
 # CUDA graph was captured are kept for good: a replay re-copies its table from the pinned
@@ -26,7 +25,7 @@ _TABLES_KEPT = 8
 
 class AdamW(torch.optim.AdamW):
     """torch.optim.AdamW whose step also writes every parameter's `copy_dtype` copy (None:
-    no copies) and publishes it (casts.publish_copies).
+    no copies) and publishes it (fusedtrain.weight_copies).
 
     Runs where Triton does (CUDA; CPU under the interpreter) for contiguous, 16-byte
     aligned fp32 parameters and gradients with the plain options; with torch's others
@@ -184,4 +183,4 @@ class AdamW(torch.optim.AdamW):
                           self.copy_dtype,
                           None if scale is None else scale.to(params[0].device))
         if copies is not None:
-            casts.publish_copies(params, copies)
+            WEIGHT_COPIES.publish(params, copies)

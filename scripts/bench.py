@@ -31,7 +31,7 @@
 A table goes to stdout. Needs a CUDA GPU (the train part also runs on CPU for a smoke test).
 `train` and `profile` run backward on the calling thread, as scripts/train.py does;
 --autograd-threads gives PyTorch's worker thread instead. The benchmarks themselves are
-fusedtrain/bench/kernels.py and fusedtrain/bench/training.py; this is their command line.
+fusedtrain/bench/ (kernels.py, training.py, parity.py, profile.py); this is their command line.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from fusedtrain.bench import kernels, training
+from fusedtrain.bench import kernels, parity, profile, training
 
 
 def _run_shape_args(parser: argparse.ArgumentParser, steps: int) -> None:
@@ -109,7 +109,7 @@ def main(argv=None) -> int:
     q.add_argument("--seed", type=int, default=0, help="initial weights and batch order")
     q.add_argument("--variants", nargs="+", metavar="NAME",
                    help="what to train, the first the reference (default: "
-                        f"{' '.join(training.PARITY_DEFAULT)}); also fused-no-FAMILY, "
+                        f"{' '.join(parity.PARITY_DEFAULT)}); also fused-no-FAMILY, "
                         "eager-fp32 (no autocast), compile-sdpa, compile-fused")
     q.add_argument("--out", default="results")
     g = sub.add_parser("gradients", help="one step's gradients against the fp32 model's")
@@ -119,7 +119,7 @@ def main(argv=None) -> int:
     g.add_argument("--data", default="stdlib", choices=["synthetic", "stdlib"])
     g.add_argument("--variants", nargs="+", metavar="NAME",
                    help="compared with eager-fp32 (default: "
-                        f"{' '.join(training.GRADIENTS_DEFAULT)})")
+                        f"{' '.join(parity.GRADIENTS_DEFAULT)})")
     g.add_argument("--out", default="results")
     args = p.parse_args(argv)
     # `train` and `profile` run backward on this thread unless --autograd-threads, as
@@ -129,7 +129,7 @@ def main(argv=None) -> int:
     torch.autograd.set_multithreading_enabled(getattr(args, "autograd_threads", True))
     if args.cmd == "parity":
         try:
-            result = training.run_parity(args)
+            result = parity.run_parity(args)
         except ValueError as e:  # variants it does not know, or fewer than two
             print(f"bench.py parity: {e}", file=sys.stderr)
             return 2
@@ -138,17 +138,17 @@ def main(argv=None) -> int:
         result["env"] = run_info(args, "model", "batch", "seq", "steps", "data", "seed")
         (out / "parity.json").write_text(json.dumps(result, indent=1))
         dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU, fp32"
-        training.plot_parity(result, out / "parity.png",
+        parity.plot_parity(result, out / "parity.png",
                              f"{args.model}, B={args.batch}, T={args.seq}, {args.data} data, "
                              f"seed {args.seed}, {dev}")
         return 0 if all(result.get("within_bf16_noise", {}).values()) else 1
     if args.cmd == "gradients":
         try:
-            result = training.run_gradients(args)
+            result = parity.run_gradients(args)
         except ValueError as e:
             print(f"bench.py gradients: {e}", file=sys.stderr)
             return 2
-        print(training.gradients_table(result))
+        print(parity.gradients_table(result))
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         result["env"] = run_info(args, "model", "batch", "seq", "at", "batches", "data", "seed")
@@ -158,7 +158,7 @@ def main(argv=None) -> int:
         if not torch.cuda.is_available():
             print("bench.py profile needs a CUDA GPU", file=sys.stderr)
             return 2
-        report = training.run_profile(args)
+        report = profile.run_profile(args)
         print(report)
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

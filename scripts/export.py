@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 
-from fusedtrain.checkpoint import (
+from fusedtrain.training.checkpoint import (
     CheckpointError,
     export_safetensors,
     load_checkpoint,

@@ -15,18 +15,17 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from omegaconf import DictConfig, OmegaConf
 
-from fusedtrain.checkpoint import CheckpointError, SafeCheckpointIO, load_checkpoint
 from fusedtrain.config import ConfigError, build_run_config
 from fusedtrain.data import DataError, TokenDataModule
 from fusedtrain.model import GPTConfig
-from fusedtrain.module import (
+from fusedtrain.training.callbacks import (
     FreezeHeapAfterWarmup,
-    GPTModule,
-    NonFiniteLossError,
     ProgressBar,
     SaveOnInterrupt,
     ThroughputMonitor,
 )
+from fusedtrain.training.checkpoint import CheckpointError, SafeCheckpointIO, load_checkpoint
+from fusedtrain.training.lightning_module import GPTModule, NonFiniteLossError
 
 log = logging.getLogger("fusedtrain")
 

@@ -62,7 +62,7 @@ def test_loss_parity_on_the_tiny_model(tmp_path):
 
 
 def test_parity_verdict_measures_fused_runs_by_eager_bf16s_distance_to_fp32():
-    from fusedtrain.bench.training import PARITY_ATOL, parity_variants, parity_verdict
+    from fusedtrain.bench.parity import PARITY_ATOL, parity_variants, parity_verdict
 
     v = parity_variants()
     fp32, eager = [3.0, 2.5, 2.0], [3.0, 2.6, 2.05]  # eager bf16 strays 0.1 from fp32
@@ -126,7 +126,7 @@ def test_gradients_against_the_fp32_model_at_a_point_of_the_parity_run(tmp_path)
 def test_gradients_refuses_what_it_cannot_compare():
     from argparse import Namespace
 
-    from fusedtrain.bench.training import run_gradients
+    from fusedtrain.bench.parity import run_gradients
 
     ok = dict(model="tiny", batch=2, seq=16, at=1, batches=1, seed=0, data="synthetic",
               variants=None)
@@ -139,7 +139,7 @@ def test_gradients_refuses_what_it_cannot_compare():
 
 
 def test_the_fp32_reference_runs_without_tf32_and_the_settings_come_back():
-    from fusedtrain.bench.training import _tf32_off
+    from fusedtrain.bench.parity import _tf32_off
 
     saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     try:

@@ -119,6 +119,7 @@ def test_the_tied_head_reads_the_optimizers_copy_of_the_token_table():
     the table, while the table is unchanged, and not for a part of it."""
     from fusedtrain import casts, ops
     from fusedtrain.optim import AdamW
+    from fusedtrain.weight_copies import WEIGHT_COPIES
 
     torch.manual_seed(0)
     wte = torch.nn.Parameter(torch.randn(64, 32))
@@ -131,7 +132,7 @@ def test_the_tied_head_reads_the_optimizers_copy_of_the_token_table():
     _, head_weight = ops.gpt_embedding(idx, wte, wpe, inplace_backward=True)
     assert head_weight is not wte and head_weight._base is wte
     copy = cast_params(bf16, wte)[0]  # the optimizer's (the table's own lookup)
-    assert copy is casts.published_copy(wte, bf16) is not None
+    assert copy is WEIGHT_COPIES.fresh(wte, bf16) is not None
     assert cast_params(bf16, head_weight)[0] is copy
     assert casts._prepared_copy(head_weight[:8], bf16) is None  # a part of the table
     with torch.no_grad():
@@ -156,8 +157,8 @@ def test_compiled_fused_ops_read_the_optimizers_copies_while_fresh(monkeypatch):
     _loss_and_grads(model, idx)
     opt.step()  # publishes the copies
     found = []
-    lookup = op_module.published_copy
-    monkeypatch.setattr(op_module, "published_copy", lambda w, dtype: found.append(
+    lookup = op_module.WEIGHT_COPIES.fresh
+    monkeypatch.setattr(op_module.WEIGHT_COPIES, "fresh", lambda w, dtype: found.append(
         lookup(w, dtype) is not None) or lookup(w, dtype))
     compiled = torch.compile(model.loss, fullgraph=True, backend="aot_eager")
 
@@ -190,8 +191,8 @@ def test_gpu_compiled_training_reads_the_copies_and_matches_uncompiled(monkeypat
     every = dict(mlp=True, qkv=True, attention=True, layernorm=True, cross_entropy=True)
     models = [_tiny(every).cuda() for _ in range(2)]
     found = []
-    lookup = op_module.published_copy
-    monkeypatch.setattr(op_module, "published_copy", lambda w, dtype: found.append(
+    lookup = op_module.WEIGHT_COPIES.fresh
+    monkeypatch.setattr(op_module.WEIGHT_COPIES, "fresh", lambda w, dtype: found.append(
         lookup(w, dtype) is not None) or lookup(w, dtype))
     ops.register_inductor_fallbacks()
     fns = [models[0].loss, torch.compile(models[1].loss, mode=None if mode == "default" else mode)]

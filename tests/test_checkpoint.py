@@ -8,13 +8,13 @@ import pytest
 import torch
 from conftest import ROOT
 
-from fusedtrain.checkpoint import (
+from fusedtrain.model import GPT, KERNEL_FAMILIES, GPTConfig
+from fusedtrain.training.checkpoint import (
     CheckpointError,
     load_checkpoint,
     model_state_from_checkpoint,
     save_checkpoint,
 )
-from fusedtrain.model import GPT, KERNEL_FAMILIES, GPTConfig
 
 TRAIN = [sys.executable, str(ROOT / "scripts" / "train.py")]
 
@@ -119,7 +119,7 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run(tmp_path):
     # Kill the second run with SIGKILL right after step 17 (checkpoint of step 15 on disk).
     killer = _patched_train("""
         import os, signal
-        from fusedtrain.module import GPTModule
+        from fusedtrain.training.lightning_module import GPTModule
         def die(self, outputs, batch, batch_idx):
             if self.global_step >= 17:
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -157,7 +157,7 @@ def test_signal_saves_a_checkpoint_and_exits(tmp_path, sig):
     patch = f"""
         import os, signal
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        from fusedtrain.module import GPTModule
+        from fusedtrain.training.lightning_module import GPTModule
         def term(self, outputs, batch, batch_idx):
             if self.global_step == 8:
                 os.kill(os.getpid(), signal.{sig})
@@ -215,7 +215,8 @@ def test_non_finite_last_step_writes_no_checkpoint(tmp_path):
 
 def test_compiled_module_keeps_one_copy_of_the_parameters():
     from fusedtrain.model import GPTConfig
-    from fusedtrain.module import GPTModule, OptimConfig
+    from fusedtrain.training.lightning_module import GPTModule
+    from fusedtrain.training.optimizer import OptimConfig
 
     cfg = GPTConfig(block_size=8, vocab_size=16, n_layer=1, n_head=2, n_embd=8)
     plain = GPTModule(cfg, OptimConfig(), max_steps=1).state_dict().keys()

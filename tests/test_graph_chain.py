@@ -5,9 +5,9 @@ import contextlib
 import pytest
 import torch
 
-from fusedtrain.graph_chain import GraphChain
 from fusedtrain.model import GPT, KERNEL_FAMILIES, GPTConfig
-from fusedtrain.module import _GraphedLoss
+from fusedtrain.training.graph_capture import GraphedLoss
+from fusedtrain.training.graph_chain import GraphChain
 
 
 def test_bad_pieces_are_refused_before_any_capture():
@@ -81,7 +81,7 @@ def test_replays_compute_the_loss_and_gradients_with_nothing_copied_between_piec
     the caller's tokens and targets into the first and last pieces, and the loss's
     upstream gradient."""
     model, params, batches = _fused_gpt(3)
-    graphed = _GraphedLoss(model, batches[0][:, :-1], batches[0][:, 1:], split)
+    graphed = GraphedLoss(model, batches[0][:, :-1], batches[0][:, 1:], split)
     pieces = graphed.chain.pieces
     assert len(pieces) == (4 if split else 1)
     for prev, piece in zip(pieces, pieces[1:]):
@@ -119,7 +119,7 @@ def test_two_backward_passes_accumulate_as_the_eager_model():
     """Gradient accumulation (two micro-batches before zero_grad) through real replays,
     the tied embedding's gradient summed from two pieces."""
     model, params, batches = _fused_gpt(2)
-    graphed = _GraphedLoss(model, batches[0][:, :-1], batches[0][:, 1:], split=True)
+    graphed = GraphedLoss(model, batches[0][:, :-1], batches[0][:, 1:], split=True)
     model.zero_grad(set_to_none=True)
     expected = [torch.zeros_like(p) for p in params]
     for batch in batches:

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from fusedtrain.model import GPT, GPTConfig
-from fusedtrain.module import GPTModule, OptimConfig
 from fusedtrain.optim import AdamW
+from fusedtrain.training.lightning_module import GPTModule
+from fusedtrain.training.optimizer import OptimConfig
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -46,12 +47,12 @@ def test_value_clipping_and_no_clipping():
 
 def test_fused_adamw_only_on_cuda_and_never_under_fp16_scaling():
     module = _module_with_grads()
-    assert not module._fused_adamw()  # CPU parameters
+    assert not module._adamw_plan().torch_fused  # CPU parameters
     if torch.cuda.is_available():
         module.cuda()
-        assert module._fused_adamw()
+        assert module._adamw_plan().torch_fused
         module.trainer.precision = "16-mixed"
-        assert not module._fused_adamw()
+        assert not module._adamw_plan().torch_fused
 
 
 @pytest.mark.parametrize("kernels, run, precision, expected", [
@@ -71,8 +72,9 @@ def test_fused_ops_step_with_fusedtrain_adamw_writing_copies_where_read(
                        compile=run if run not in ("plain", "cuda_graph") else False,
                        cuda_graph=run == "cuda_graph")
     module.trainer = SimpleNamespace(strategy=SimpleNamespace(model=module), precision=precision)
-    monkeypatch.setattr(module, "_fused_adamw", lambda: True)  # as on CUDA
-    assert module._fusedtrain_adamw() == expected
+    monkeypatch.setattr(module, "_on_cuda", lambda: True)  # as on CUDA
+    plan = module._adamw_plan()
+    assert (plan.ours, plan.copy_dtype) == expected
     opt = module.configure_optimizers()["optimizer"]
     assert isinstance(opt, AdamW) == expected[0]
     assert getattr(opt, "copy_dtype", None) == expected[1]
@@ -85,16 +87,16 @@ def test_the_graphed_pieces_chain_to_the_model_loss(monkeypatch, layernorm):
     output bias. Here the pieces run eagerly (a stand-in for GraphChain); on a GPU
     tests/test_graph_chain.py replays the real graphs and tests/test_cuda_graph.py trains
     with them."""
-    import fusedtrain.module as module_mod
+    import fusedtrain.training.graph_capture as capture_mod
 
     captured = {}
-    monkeypatch.setattr(module_mod, "GraphChain", _eager_chain(captured))
+    monkeypatch.setattr(capture_mod, "GraphChain", _eager_chain(captured))
     cfg = GPTConfig(block_size=16, vocab_size=64, n_layer=3, n_head=2, n_embd=16,
                     kernels={"layernorm": layernorm})
     model = GPT(cfg).to(DEVICE)  # the fused kernels' device
     idx = torch.randint(0, 64, (2, 16), device=DEVICE)
     targets = torch.randint(0, 64, (2, 16), device=DEVICE)
-    graphed = module_mod._GraphedLoss(model, idx, targets, split=True)
+    graphed = capture_mod.GraphedLoss(model, idx, targets, split=True)
     # A graph returns gradients only for the parameters its piece registers: every
     # parameter must be registered by the pieces that use it (the tied wte by two).
     registered = [{id(p) for p in piece.parameters()} for piece in captured["pieces"]]
@@ -114,7 +116,7 @@ def test_the_graphed_pieces_chain_to_the_model_loss(monkeypatch, layernorm):
         torch.testing.assert_close(g, e)
 
     # Unsplit (one process): one piece, the whole loss over every parameter.
-    graphed = module_mod._GraphedLoss(model, idx, targets, split=False)
+    graphed = capture_mod.GraphedLoss(model, idx, targets, split=False)
     assert {id(p) for p in captured["pieces"][0].parameters()} == \
         {id(p) for p in model.parameters()}
     torch.testing.assert_close(graphed(idx, targets), expected)
@@ -145,10 +147,10 @@ def test_graphed_training_loss_is_captured_once_and_falls_back_on_other_shapes(m
     """GPTModule with cuda_graph=True: the first step captures, later steps of that batch
     shape replay the same pieces, another shape runs the plain loss (the pieces run
     eagerly here, as above)."""
-    import fusedtrain.module as module_mod
+    import fusedtrain.training.graph_capture as capture_mod
 
     captured = {}
-    monkeypatch.setattr(module_mod, "GraphChain", _eager_chain(captured))
+    monkeypatch.setattr(capture_mod, "GraphChain", _eager_chain(captured))
     cfg = GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=2, n_embd=16)
     module = GPTModule(cfg, OptimConfig(), max_steps=10, cuda_graph=True)
     x = torch.randint(0, 64, (2, 16))
@@ -156,7 +158,7 @@ def test_graphed_training_loss_is_captured_once_and_falls_back_on_other_shapes(m
     again = module._train_loss(x, x)
     # One process: the whole loss as one piece, captured once.
     assert captured["captures"] == 1 and len(captured["pieces"]) == 1
-    assert isinstance(module._graph[1], module_mod._GraphedLoss)
+    assert isinstance(module._graph[1], capture_mod.GraphedLoss)
     torch.testing.assert_close(first, again)
     torch.testing.assert_close(first, module.model.loss(x, x))
     short = torch.randint(0, 64, (1, 16))
@@ -223,7 +225,7 @@ def test_nothing_is_read_back_from_the_device_for_the_progress_bar_each_step(tmp
     """Lightning turns each metric logged with prog_bar=True into a number at every step's
     end (a read from the GPU that stalls the host there): training logs none, and the bar
     shows host values instead, the loss one step late and the rate with its MFU."""
-    from fusedtrain.module import ProgressBar, ThroughputMonitor
+    from fusedtrain.training.callbacks import ProgressBar, ThroughputMonitor
 
     throughput = ThroughputMonitor(skip_steps=1, window=2)
     bar = ProgressBar(throughput, refresh_rate=1)
@@ -239,7 +241,7 @@ def test_nothing_is_read_back_from_the_device_for_the_progress_bar_each_step(tmp
 def test_a_resumed_run_leaves_its_own_warm_up_steps_out_of_the_rate():
     """Resumed at step 97, the process compiles and tunes again: its first window starts
     `skip_steps` after 97, not at the first step past a multiple of the window."""
-    from fusedtrain.module import ThroughputMonitor
+    from fusedtrain.training.callbacks import ThroughputMonitor
 
     monitor = ThroughputMonitor(skip_steps=3, window=5)
     trainer = SimpleNamespace(global_step=97, max_steps=122, accumulate_grad_batches=1,
@@ -257,7 +259,7 @@ def test_a_resumed_run_leaves_its_own_warm_up_steps_out_of_the_rate():
 
 @pytest.mark.parametrize("scale", [1e3, 1e-3])  # clipped, and left alone
 def test_clip_grad_norm_matches_torch_bit_for_bit(scale):
-    from fusedtrain.module import clip_grad_norm
+    from fusedtrain.training.optimizer import clip_grad_norm
 
     gen = torch.Generator().manual_seed(0)
     shapes = [(64, 16), (16,), (48, 16), (3,), (16, 64)]
@@ -287,7 +289,7 @@ def test_clipping_in_fusedtrain_adamw_steps_as_clipping_first(scale):
     """clip_grad_norm handing its coefficient to fusedtrain's AdamW (multiplied in the
     step's kernel, under the interpreter here) gives the parameters that clipping the
     gradients in place and then stepping gives, bit for bit."""
-    from fusedtrain.module import clip_grad_norm
+    from fusedtrain.training.optimizer import clip_grad_norm
 
     gen = torch.Generator().manual_seed(0)
     shapes = [(64, 16), (16,), (48, 16), (3,)]
@@ -315,7 +317,7 @@ def test_the_python_heap_is_frozen_from_the_end_of_the_warm_up_to_the_end_of_tra
 
     import lightning as L
 
-    from fusedtrain.module import FreezeHeapAfterWarmup
+    from fusedtrain.training.callbacks import FreezeHeapAfterWarmup
 
     class Record(L.Callback):
         def __init__(self):
@@ -338,7 +340,7 @@ def test_the_python_heap_is_frozen_from_the_end_of_the_warm_up_to_the_end_of_tra
 def test_a_resumed_run_freezes_the_heap_after_its_own_warm_up_steps():
     import gc
 
-    from fusedtrain.module import FreezeHeapAfterWarmup
+    from fusedtrain.training.callbacks import FreezeHeapAfterWarmup
 
     freeze = FreezeHeapAfterWarmup(after=3)
     trainer = SimpleNamespace(global_step=100)

@@ -5,6 +5,7 @@ import torch
 
 from fusedtrain import casts
 from fusedtrain.optim import AdamW
+from fusedtrain.weight_copies import WEIGHT_COPIES
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SHAPES = [(37,), (130, 72), (9000,), (3, 3000)]  # one spans two chunks under the interpreter
@@ -146,9 +147,9 @@ def test_a_published_copy_goes_with_its_parameter():
     mine, opt, ref, opt_ref = _pair()
     _step_both(mine, opt, ref, opt_ref, 0)
     ids = [id(p) for p in mine]
-    assert all(i in casts._PUBLISHED for i in ids)
+    assert all(i in WEIGHT_COPIES._entries for i in ids)
     del mine, opt, ref, opt_ref
-    assert not any(i in casts._PUBLISHED for i in ids)
+    assert not any(i in WEIGHT_COPIES._entries for i in ids)
 
 
 def test_a_closure_makes_the_gradients_first():
