@@ -43,6 +43,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from fusedtrain.kernels import attention as A  # noqa: E402
+from fusedtrain.kernels import attention_bwd as AB  # noqa: E402
 from fusedtrain.kernels import embedding as E  # noqa: E402
 from fusedtrain.kernels import linear_gelu as LG  # noqa: E402
 from fusedtrain.kernels import qkv as Q  # noqa: E402
@@ -82,8 +83,8 @@ _EMB_POINTERS = {"idx_ptr": "*i64", **dict.fromkeys(
 
 # name -> (kernel, configs, pointer types that differ from argument_type's default)
 KERNELS = {"fwd": (A._attn_fwd_kernel, A.FWD_CONFIGS, {}),
-           "dkdv": (A._attn_bwd_dkdv_kernel, A.BWD_KV_CONFIGS, {}),
-           "dq": (A._attn_bwd_dq_kernel, A.BWD_Q_CONFIGS, {}),
+           "dkdv": (AB._attn_bwd_dkdv_kernel, A.BWD_KV_CONFIGS, {}),
+           "dq": (AB._attn_bwd_dq_kernel, A.BWD_Q_CONFIGS, {}),
            "linear_gelu_fwd": (LG._linear_gelu_fwd_tma_kernel, [_table_config()], {}),
            "dgelu": (LG._matmul_dgelu_tma_kernel, [_table_config()], {}),
            "gelu_rhs": (LG._matmul_gelu_rhs_tma_kernel, [_table_config()], {}),

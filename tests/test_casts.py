@@ -9,6 +9,7 @@ import torch
 import fusedtrain.model as model_module
 from fusedtrain.casts import cast_params, grouped_casts
 from fusedtrain.model import GPT, GPTConfig
+from fusedtrain.weight_copies import WEIGHT_COPIES
 
 FUSED_LINEARS = dict(mlp=True, qkv=True, attention=False, layernorm=True, cross_entropy=False)
 
@@ -142,6 +143,18 @@ def test_the_tied_head_reads_the_optimizers_copy_of_the_token_table():
     assert fresh is not copy and torch.equal(fresh, wte.detach().to(bf16))
 
 
+class _CountedLookups:
+    """WEIGHT_COPIES as the compiled op sees it, recording whether each lookup found a copy."""
+
+    def __init__(self, found: list[bool]):
+        self.found = found
+
+    def fresh(self, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+        copy = WEIGHT_COPIES.fresh(w, dtype)
+        self.found.append(copy is not None)
+        return copy
+
+
 @pytest.mark.slow
 def test_compiled_fused_ops_read_the_optimizers_copies_while_fresh(monkeypatch):
     """Under torch.compile the weights' casts go through fusedtrain::published_cast, which
@@ -157,9 +170,7 @@ def test_compiled_fused_ops_read_the_optimizers_copies_while_fresh(monkeypatch):
     _loss_and_grads(model, idx)
     opt.step()  # publishes the copies
     found = []
-    lookup = op_module.WEIGHT_COPIES.fresh
-    monkeypatch.setattr(op_module.WEIGHT_COPIES, "fresh", lambda w, dtype: found.append(
-        lookup(w, dtype) is not None) or lookup(w, dtype))
+    monkeypatch.setattr(op_module, "WEIGHT_COPIES", _CountedLookups(found))
     compiled = torch.compile(model.loss, fullgraph=True, backend="aot_eager")
 
     def losses():
@@ -191,9 +202,7 @@ def test_gpu_compiled_training_reads_the_copies_and_matches_uncompiled(monkeypat
     every = dict(mlp=True, qkv=True, attention=True, layernorm=True, cross_entropy=True)
     models = [_tiny(every).cuda() for _ in range(2)]
     found = []
-    lookup = op_module.WEIGHT_COPIES.fresh
-    monkeypatch.setattr(op_module.WEIGHT_COPIES, "fresh", lambda w, dtype: found.append(
-        lookup(w, dtype) is not None) or lookup(w, dtype))
+    monkeypatch.setattr(op_module, "WEIGHT_COPIES", _CountedLookups(found))
     ops.register_inductor_fallbacks()
     fns = [models[0].loss, torch.compile(models[1].loss, mode=None if mode == "default" else mode)]
     opts = [AdamW(m.parameters(), lr=1e-2) for m in models]

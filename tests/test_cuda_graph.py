@@ -10,7 +10,7 @@ from test_ddp import _gpt2_summary
 def test_graphed_step_trains_like_the_plain_loop_and_keeps_its_pace(tmp_path):
     """Same seed, same batches, same kernels: only the issuing differs. The graphs remove
     the host's per-kernel cost, which decides where the host cannot keep ahead of the GPU
-    (H200 hosts, docs/perf-notes.md, twenty-sixth round: 504k tokens/s graphed against
+    (H200 hosts, docs/journal.md: 504k tokens/s graphed against
     387k plain on one); where it can, the plain loop is GPU-bound and the graphed one a
     little slower (504k against 514k on another): its pieces' boundaries and gradient
     buffers cost some GPU time. Either way it must not fall far behind."""

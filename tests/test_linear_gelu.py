@@ -371,7 +371,7 @@ def test_gpu_bf16_gelu_activations_are_not_biased(approximate):
     mean magnitude) within twice eager's plus 2e-4. The max-error rule alone let through a
     GELU whose every value leaned the same way (-1.8e-3 against eager's +9e-5 at gpt2's
     shape), and the fused model then trained apart from the eager one
-    (docs/perf-notes.md, thirty-second round)."""
+    (docs/journal.md)."""
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(4096, 768, device="cuda", generator=g).bfloat16()
     w = (torch.randn(3072, 768, device="cuda", generator=g) * 0.02).bfloat16()
@@ -463,7 +463,7 @@ def test_gpu_mlp_peak_memory_below_eager_by_one_hidden_tensor():
     peaks = {}
     for _, (name, fn) in itertools.product(range(2), (("eager", eager.fused_mlp),
                                                       ("fused", ops.fused_mlp))):
-        # The first round warms up (autotuning, cuBLAS workspaces); the second is kept.
+        # The first pass warms up (autotuning, cuBLAS workspaces); the second is kept.
         leaves = [t.detach().requires_grad_() for t in inputs]
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()

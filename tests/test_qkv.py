@@ -228,7 +228,7 @@ def test_qkv_attention_gpu_bf16_accuracy(B, T, C, H):
     tokens' products into values of up to ~190 at gpt2's shape, whose largest error is a
     few bf16 ulps (one ulp = 1 there) and moves between draws by as much as the rule
     allows: eager's went from 1.89 to 3.18 over ten draws, the fused ops' (this op's are
-    theirs) from 2.4 to 3.8 (docs/perf-notes.md, sixteenth round). One draw's maximum
+    theirs) from 2.4 to 3.8 (docs/journal.md). One draw's maximum
     failed the rule once (3.83 against 1.89); the maximum over three draws does not depend
     on one lucky draw of the eager op."""
     worst = {"fused": [0.0] * 4, "eager": [0.0] * 4}

@@ -3,10 +3,9 @@ process of its own (so the sampling takes no time from the Python loop it watche
 
 Why a benchmark reports them: an H200 training step at full speed hits the board's power
 limit, and the driver then lowers the SM clock. A faster step draws more power, so two
-variants timed one after the other may run at different clocks (docs/perf-notes.md,
-twenty-second round: 1605-1740 MHz for the fused step against 1755-1830 for
-torch.compile's). The clock next to each figure says how much of a difference is the
-kernels' and how much the clock's.
+variants timed one after the other may run at different clocks (1605-1740 MHz for the
+fused step against 1755-1830 for torch.compile's, on one H200). The clock next to each
+figure says how much of a difference is the kernels' and how much the clock's.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ and how fast the host runs Python.
 Why a benchmark reports it: an ungraphed training step is issued by one Python thread,
 and on a slow or busy host that thread, not the GPU, sets the pace. The same code has run
 at 29.8 ms a step on one H200 host and 47 ms on another, while its CUDA-graphed twin ran
-at 29.8 ms on both (docs/perf-notes.md, thirty-fourth round). Three figures, in cores
+at 29.8 ms on both (docs/journal.md). Three figures, in cores
 (1.0 = one CPU busy for the whole block), tell the causes apart:
 
   host_cpu_self   this process (all its threads). Near 1: the loop's thread alone. Well
@@ -18,7 +18,7 @@ A loop's thread is busy (self near 1) whether it issues work or waits for the GP
 these say nothing of how fast that thread is. python_speed_ns does: the time the host
 takes for a fixed piece of pure Python, at one moment. It is a snapshot: on the lent
 H200 hosts it jumps between two levels ~2x apart from one second to the next, in an
-idle process too (docs/perf-notes.md, thirty-fifth round).
+idle process too (docs/journal.md).
 """
 
 from __future__ import annotations

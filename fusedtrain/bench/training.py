@@ -37,7 +37,7 @@ def train_variants(ablation: bool, compile_mode: str = "default") -> dict[str, d
     # The whole step (forward, backward, AdamW) captured once as one CUDA graph and
     # replayed: the GPU work of `fused` without the host's per-launch cost. Last: in one
     # H200 run, two plain variants timed after these captures in the same process ran 2.2x
-    # and 2.4x slower than in a fresh one (docs/perf-notes.md, twelfth round).
+    # and 2.4x slower than in a fresh one (docs/journal.md).
     v["fused-graph"] = dict(kernels=every, eager_attention="sdpa", compile=False, graph=True)
     v["eager-sdpa-graph"] = dict(kernels=none, eager_attention="sdpa", compile=False, graph=True)
     if ablation:

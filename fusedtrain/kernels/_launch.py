@@ -5,8 +5,7 @@ autotuned kernel of 25 arguments (triton 3.6), 30-46 us without the autotuner, o
 launching the compiled kernel is 9-13: the autotuner rebuilds its argument dicts and key
 on every call, and JITFunction.run reads knobs, hooks and globals before it gets there.
 A training step launches ~190 kernels, so without a CUDA graph its host time, not its GPU
-time, sets the pace. Through this shortcut a launch costs 33 us (docs/perf-notes.md,
-twenty-fifth round).
+time, sets the pace. Through this shortcut a launch costs 33 us (docs/journal.md).
 
 `fast_launch(kernel)` wraps a @triton.jit or @gluon.jit kernel, or a triton.autotune over
 one. A call goes through triton as usual (compiling, tuning) until triton has launched its

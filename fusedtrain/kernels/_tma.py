@@ -70,7 +70,7 @@ _INTERPRET_CONFIG = TmaConfig(128, 128, 64, 4, 1)
 
 def tma_config(N: int) -> TmaConfig:
     """Tiles for an (M x N) output on an H200, from scripts/tune_tma.py's sweep (see
-    docs/perf-notes.md): 128 x 256 x 64 tiles, 8 warps, 3 stages, and 128-wide tiles
+    docs/journal.md): 128 x 256 x 64 tiles, 8 warps, 3 stages, and 128-wide tiles
     where N is too narrow for 256. (Two programs per SM of 128 x 128 tiles won 4-5% at
     K = 768 for the forwards in the sweep's cold-cache timing and lost up to 4% in the
     benchmark's CUDA-graph replays: not chosen.)"""
@@ -132,7 +132,7 @@ def k_splits(tiles: int, K: int, device: torch.device, per_sm: int = 1) -> int:
 
 def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
     # Not kept for the next launch: in Inductor's CUDA-graph warm-up (reduce-overhead) it
-    # would be a live allocation in the graph's pool (docs/perf-notes.md, thirtieth round).
+    # would be a live allocation in the graph's pool (docs/journal.md).
     return torch.empty(size, device="cuda", dtype=torch.int8)
 
 

@@ -27,7 +27,7 @@ from fusedtrain.kernels._primitives import mul_rounded
 
 # Elements a program updates (several BLOCK sweeps) and a sweep's width, at 4 warps: on an
 # H200 938 us for GPT-2's 124M parameters with their copies, against 1099 us at 32768 / 2048
-# / 8 warps (docs/perf-notes.md, twenty-second round).
+# / 8 warps (docs/journal.md).
 CHUNK = 8192 if INTERPRET else 16384
 BLOCK = 1024
 TABLE_COLUMNS = tl.constexpr(6)  # param, grad, exp_avg, exp_avg_sq, copy, numel

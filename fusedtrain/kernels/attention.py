@@ -1,4 +1,5 @@
-"""Flash attention (FlashAttention-2 style) forward and backward.
+"""Flash attention (FlashAttention-2 style): its design, the tiles and schedule both passes
+share, and the forward kernel with its launcher (the backward's are in attention_bwd.py).
 
 Shapes: q, k, v, o: (B, H, T, D), any strides; D <= 128, padded to BLOCK_D (the next
 power of two, at least 16). Softmax runs in base 2 with the scale folded in (qk_scale =
@@ -15,7 +16,7 @@ backward   two kernels, neither using atomics:
            dq:    one program per query block, looping over key blocks; it first
                   computes delta = rowsum(dO * O) for its rows and stores it; on request
                   it also sums the gradients of biases added to q, k, v (see
-                  attention_bwd);
+                  attention_bwd.py);
            dk/dv: one program per key block, looping over query blocks (reads delta:
                   launched after dq).
 Causal: blocks entirely above the diagonal are skipped; only blocks that straddle the
@@ -44,7 +45,6 @@ from fusedtrain.kernels._device import (
 from fusedtrain.kernels._primitives import cdiv, device_fn, row_max, row_sum
 from fusedtrain.kernels._tma import enable_device_descriptors, matrix_desc, tma_ok
 from fusedtrain.kernels._tuning import autotune
-from fusedtrain.kernels.bias_grad import bias_grad
 
 LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 128
@@ -56,7 +56,7 @@ def _configs(shapes: list[tuple[int, int, int, int]]) -> list[triton.Config]:
 
 
 # (64, 64, 4, 2): 98 us against 104 for the next best at gpt2's causal (16, 12, 1024, 64) on
-# an H200 (twenty-sixth round of docs/perf-notes.md).
+# an H200 (docs/journal.md).
 FWD_CONFIGS = _configs([(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3),
                         (64, 64, 4, 2), (128, 32, 4, 3), (64, 32, 4, 4)])
 # Backward: deeper pipelines over narrow loop blocks (32 query rows per step of the dk/dv
@@ -226,190 +226,6 @@ def _attn_fwd_kernel(
     tl.store(lse_ptr + bh.to(tl.int64) * T + offs_m, m_i + tl.log2(l_safe), mask=m_ok)
 
 
-@device_fn
-def _dkdv_blocks(dk, dv, k, v, q_src, do_src, lse_base, delta_base, offs_n, offs_d, d_ok, T,
-                 qk_scale, s_qt, s_qd, s_gt, s_gd, blk_lo, blk_hi,
-                 MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
-                 ACC: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr):
-    """Accumulate dK, dV of one key block over query blocks [blk_lo, blk_hi); works on
-    transposed scores sT = k q^T so that dv += pT @ dO and dk += dsT @ q need no transposes
-    of the accumulators."""
-    for blk in range(blk_lo, blk_hi):
-        offs_m = blk * BLOCK_M + tl.arange(0, BLOCK_M)
-        m_ok = offs_m < T
-        q = _load_tile(q_src, blk * BLOCK_M, offs_m, offs_d, s_qt, s_qd, m_ok, d_ok, TMA)
-        do = _load_tile(do_src, blk * BLOCK_M, offs_m, offs_d, s_gt, s_gd, m_ok, d_ok, TMA)
-        lse = tl.load(lse_base + offs_m, mask=m_ok, other=0.0)
-        delta = tl.load(delta_base + offs_m, mask=m_ok, other=0.0)
-        sT = tl.dot(k, tl.trans(q), input_precision=PRECISION, out_dtype=ACC) * qk_scale
-        # Both score-shaped products before the exponentials (here and in _dq_blocks): the
-        # second is then issued while the first is still running, not after the softmax.
-        # H200, gpt2's causal shape: dk/dv alone 3-5% faster, the whole backward 283 ->
-        # 279 us, bit-identical (docs/perf-notes.md, twenty-eighth round).
-        dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION, out_dtype=ACC)
-        pT = tl.exp2(sT - lse[None, :])
-        if MASKED:
-            pT = tl.where(tl.trans(_visible(offs_m, offs_n, T, CAUSAL)), pT, 0.0)
-        dv += tl.dot(pT.to(do.dtype), do, input_precision=PRECISION, out_dtype=ACC)
-        dsT = pT * (dpT - delta[None, :])
-        dk += tl.dot(dsT.to(q.dtype), q, input_precision=PRECISION, out_dtype=ACC)
-    return dk, dv
-
-
-@device_fn
-def _query_block_ranges(start_n, n_q_blocks, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr):
-    """For key rows [start_n, start_n + BLOCK_N): query blocks before `first` cannot see
-    them (causal); [first, diag) straddle the diagonal."""
-    if CAUSAL:
-        first = start_n // BLOCK_M
-        diag = tl.minimum(cdiv(start_n + BLOCK_N, BLOCK_M), n_q_blocks)
-    else:
-        first = 0
-        diag = 0
-    return first, diag
-
-
-@autotune(BWD_KV_CONFIGS, key=["T_BUCKET", "BLOCK_D", "CAUSAL", "TMA"], interpret=INTERPRET_CONFIG,
-          wide=WIDE_CONFIGS, keep=_dkdv_fits)
-@triton.jit
-def _attn_bwd_dkdv_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
-    qk_scale, sm_scale, H, T, D, T_BUCKET, BH, GROUP,
-    s_qb, s_qh, s_qt, s_qd, s_kb, s_kh, s_kt, s_kd, s_vb, s_vh, s_vt, s_vd,
-    s_gb, s_gh, s_gt, s_gd, s_db, s_dh, s_dt, s_dd,
-    CAUSAL: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr, BLOCK_D: tl.constexpr,
-    TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    bh, block = _schedule(cdiv(T, BLOCK_N), BH, GROUP, True)
-    start_n = block * BLOCK_N
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    n_ok, d_ok = offs_n < T, offs_d < D
-    k = _load_rows(_slice_base(k_ptr, bh, H, s_kb, s_kh), offs_n, offs_d, s_kt, s_kd, n_ok, d_ok)
-    v = _load_rows(_slice_base(v_ptr, bh, H, s_vb, s_vh), offs_n, offs_d, s_vt, s_vd, n_ok, d_ok)
-    q_src = _row_source(_slice_base(q_ptr, bh, H, s_qb, s_qh), T, D, s_qt, TMA, BLOCK_M, BLOCK_D)
-    do_src = _row_source(_slice_base(do_ptr, bh, H, s_gb, s_gh), T, D, s_gt, TMA, BLOCK_M,
-                         BLOCK_D)
-    lse_base = lse_ptr + bh.to(tl.int64) * T
-    delta_base = delta_ptr + bh.to(tl.int64) * T
-    dk = tl.full((BLOCK_N, BLOCK_D), 0.0, ACC)
-    dv = tl.full((BLOCK_N, BLOCK_D), 0.0, ACC)
-    # Query blocks: [first, diag) straddle the diagonal (masked), [diag, full) are clear,
-    # [full, last) hold the sequence end (masked).
-    n_q_blocks = cdiv(T, BLOCK_M)
-    first, diag = _query_block_ranges(start_n, n_q_blocks, CAUSAL, BLOCK_M, BLOCK_N)
-    full = tl.maximum(diag, T // BLOCK_M)
-    dk, dv = _dkdv_blocks(dk, dv, k, v, q_src, do_src, lse_base, delta_base, offs_n, offs_d,
-                          d_ok, T, qk_scale, s_qt, s_qd, s_gt, s_gd, first, diag,
-                          True, CAUSAL, BLOCK_M, ACC, PRECISION, TMA)
-    dk, dv = _dkdv_blocks(dk, dv, k, v, q_src, do_src, lse_base, delta_base, offs_n, offs_d,
-                          d_ok, T, qk_scale, s_qt, s_qd, s_gt, s_gd, diag, full,
-                          False, CAUSAL, BLOCK_M, ACC, PRECISION, TMA)
-    dk, dv = _dkdv_blocks(dk, dv, k, v, q_src, do_src, lse_base, delta_base, offs_n, offs_d,
-                          d_ok, T, qk_scale, s_qt, s_qd, s_gt, s_gd, full, n_q_blocks,
-                          True, CAUSAL, BLOCK_M, ACC, PRECISION, TMA)
-    _store_rows(_slice_base(dk_ptr, bh, H, s_db, s_dh), dk * sm_scale, offs_n, offs_d, s_dt,
-                s_dd, n_ok, d_ok)
-    _store_rows(_slice_base(dv_ptr, bh, H, s_db, s_dh), dv, offs_n, offs_d, s_dt, s_dd, n_ok,
-                d_ok)
-
-
-@device_fn
-def _dq_blocks(dq, q, do, lse, delta, k_src, v_src, offs_m, offs_d, d_ok, T, qk_scale,
-               s_kt, s_kd, s_vt, s_vd, blk_lo, blk_hi,
-               MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
-               ACC: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr):
-    for blk in range(blk_lo, blk_hi):
-        offs_n = blk * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < T
-        k = _load_tile(k_src, blk * BLOCK_N, offs_n, offs_d, s_kt, s_kd, n_ok, d_ok, TMA)
-        v = _load_tile(v_src, blk * BLOCK_N, offs_n, offs_d, s_vt, s_vd, n_ok, d_ok, TMA)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION, out_dtype=ACC) * qk_scale
-        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION, out_dtype=ACC)
-        p = tl.exp2(s - lse[:, None])
-        if MASKED:
-            p = tl.where(_visible(offs_m, offs_n, T, CAUSAL), p, 0.0)
-        ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION, out_dtype=ACC)
-    return dq
-
-
-@device_fn
-def _grain_sums(tile, m_ok, GRAIN: tl.constexpr):
-    """tile: (BLOCK_M, BLOCK_D) -> its column sums per GRAIN rows, (BLOCK_M // GRAIN,
-    BLOCK_D), rows past the sequence end (not m_ok) left out."""
-    BLOCK_M: tl.constexpr = tile.shape[0]
-    BLOCK_D: tl.constexpr = tile.shape[1]
-    tile = tl.where(m_ok[:, None], tile, 0.0)
-    return row_sum(tl.reshape(tile, (BLOCK_M // GRAIN, GRAIN, BLOCK_D)), 1)
-
-
-@device_fn
-def _store_grain_rows(ptr, sums, row_stride, rows_left, offs_d, d_ok):
-    """sums (n, BLOCK_D) as n consecutive rows of a partial-sum buffer from ptr (the first
-    row's first column); only the first rows_left hold data (the sequence end)."""
-    rows = tl.arange(0, sums.shape[0])
-    ptrs = ptr + rows.to(tl.int64)[:, None] * row_stride + offs_d[None, :]
-    tl.store(ptrs, sums.to(ptr.dtype.element_ty), mask=(rows < rows_left)[:, None] & d_ok[None, :])
-
-
-@autotune(BWD_Q_CONFIGS, key=["T_BUCKET", "BLOCK_D", "CAUSAL", "TMA", "BIAS_SUMS"],
-          interpret=INTERPRET_CONFIG, wide=WIDE_CONFIGS)
-@triton.jit
-def _attn_bwd_dq_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, part_ptr,
-    qk_scale, sm_scale, H, T, D, T_BUCKET, BH, GROUP,
-    s_qb, s_qh, s_qt, s_qd, s_kb, s_kh, s_kt, s_kd, s_vb, s_vh, s_vt, s_vd,
-    s_gb, s_gh, s_gt, s_gd, s_db, s_dh, s_dt, s_dd,
-    o_ptr, s_ob, s_oh, s_ot, s_od,
-    CAUSAL: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr, BLOCK_D: tl.constexpr,
-    TMA: tl.constexpr, BIAS_SUMS: tl.constexpr, GRAIN: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    bh, block = _schedule(cdiv(T, BLOCK_M), BH, GROUP, False)
-    start_m = block * BLOCK_M
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    m_ok, d_ok = offs_m < T, offs_d < D
-    q = _load_rows(_slice_base(q_ptr, bh, H, s_qb, s_qh), offs_m, offs_d, s_qt, s_qd, m_ok, d_ok)
-    do = _load_rows(_slice_base(do_ptr, bh, H, s_gb, s_gh), offs_m, offs_d, s_gt, s_gd, m_ok,
-                    d_ok)
-    if BIAS_SUMS:
-        # Row (batch, query grain) of the (B * T / GRAIN, 3, H, D) partial sums, at head h:
-        # [dq's column sums | 0 | dO's] (the bias gradients, see attention_bwd). dO's and
-        # the zeros are stored before the loop, so that nothing of them stays live in it.
-        C = H * D
-        grain_row = (bh // H).to(tl.int64) * cdiv(T, GRAIN) + start_m // GRAIN
-        rows_left = cdiv(T - start_m, GRAIN)
-        do_sums = _grain_sums(do.to(ACC), m_ok, GRAIN)
-        base = part_ptr + grain_row * 3 * C + (bh % H) * D
-        _store_grain_rows(base + C, tl.full(do_sums.shape, 0.0, ACC), 3 * C, rows_left, offs_d,
-                          d_ok)
-        _store_grain_rows(base + 2 * C, do_sums, 3 * C, rows_left, offs_d, d_ok)
-    lse = tl.load(lse_ptr + bh.to(tl.int64) * T + offs_m, mask=m_ok, other=0.0)
-    o = _load_rows(_slice_base(o_ptr, bh, H, s_ob, s_oh), offs_m, offs_d, s_ot, s_od, m_ok, d_ok)
-    delta = row_sum(o.to(ACC) * do.to(ACC), 1)
-    tl.store(delta_ptr + bh.to(tl.int64) * T + offs_m, delta, mask=m_ok)  # for dk/dv
-    k_src = _row_source(_slice_base(k_ptr, bh, H, s_kb, s_kh), T, D, s_kt, TMA, BLOCK_N, BLOCK_D)
-    v_src = _row_source(_slice_base(v_ptr, bh, H, s_vb, s_vh), T, D, s_vt, TMA, BLOCK_N, BLOCK_D)
-    dq = tl.full((BLOCK_M, BLOCK_D), 0.0, ACC)
-    full, last = _key_block_ranges(start_m, T, CAUSAL, BLOCK_M, BLOCK_N)
-    dq = _dq_blocks(dq, q, do, lse, delta, k_src, v_src, offs_m, offs_d, d_ok, T, qk_scale,
-                    s_kt, s_kd, s_vt, s_vd, 0, full, False, CAUSAL, BLOCK_N, ACC, PRECISION, TMA)
-    dq = _dq_blocks(dq, q, do, lse, delta, k_src, v_src, offs_m, offs_d, d_ok, T, qk_scale,
-                    s_kt, s_kd, s_vt, s_vd, full, last, True, CAUSAL, BLOCK_N, ACC, PRECISION, TMA)
-    dq = dq * sm_scale
-    _store_rows(_slice_base(dq_ptr, bh, H, s_db, s_dh), dq, offs_m, offs_d, s_dt, s_dd, m_ok,
-                d_ok)
-    if BIAS_SUMS:  # dq's column sums; the row recomputed, not kept live through the loop
-        C = H * D
-        grain_row = (bh // H).to(tl.int64) * cdiv(T, GRAIN) + start_m // GRAIN
-        _store_grain_rows(part_ptr + grain_row * 3 * C + (bh % H) * D,
-                          _grain_sums(dq, m_ok, GRAIN), 3 * C, cdiv(T - start_m, GRAIN), offs_d,
-                          d_ok)
-
-
 def _loads_through_tma(*operands: torch.Tensor) -> bool:
     """Whether the kernels' loops read their (T, D) tiles through TMA descriptors (16-bit
     data on Hopper, unit stride in d, 16-byte aligned slices: see _tma.tma_ok); if so,
@@ -480,38 +296,6 @@ def grad_buffer(q: torch.Tensor) -> torch.Tensor:
     is then this buffer itself (ops.qkv reads it as one matrix: no concatenation)."""
     B, H, T, D = q.shape
     return torch.empty((B, T, 3, H, D), device=q.device, dtype=q.dtype).permute(2, 0, 3, 1, 4)
-
-
-def attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  o: torch.Tensor, lse: torch.Tensor, causal: bool, softmax_scale: float,
-                  bias_grad_dtype: torch.dtype | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Gradients stacked: (3, B, H, T, D) = [dq, dk, dv], laid out by grad_buffer; and, for
-    a bias_grad_dtype, the gradient (3 * H * D,) in that dtype of a bias b = [b_q | b_k |
-    b_v] added to q, k, v before the attention (by the projection that made them), else
-    None. Its sums come from the dq kernel, without reading dq, dk, dv again: b_q's
-    gradient is dq's column sums; b_k's is zero (it adds q_i . b_k to every score of row
-    i, which the softmax cancels); b_v's is dO's column sums (every row of probabilities
-    sums to one, so b_v passes to the output unchanged). Each query row sees a key (causal
-    or not), so the last two hold exactly."""
-    B, H, T, D, block_d, acc, qk_scale = _common_args(q, softmax_scale)
-    delta = torch.empty_like(lse)  # rowsum(dO * O): written by the dq kernel
-    grads = grad_buffer(q)
-    dq, dk, dv = grads.unbind(0)
-    bias_sums = bias_grad_dtype is not None
-    parts = (torch.empty((B * ceil_div(T, BIAS_GRAIN), 3 * H * D), device=q.device,
-                         dtype=stat_dtype(q)) if bias_sums else delta)  # delta: not written
-    args = (qk_scale, softmax_scale, H, T, D, next_pow2(T), B * H,
-            _heads_per_group(q, causal),
-            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride())
-    meta = dict(CAUSAL=causal, ACC=acc, PRECISION=dot_precision(q), BLOCK_D=block_d,
-                TMA=_loads_through_tma(q, k, v, do))
-    _attn_bwd_dq_kernel[_grid("BLOCK_M", T, B * H)](
-        q, k, v, do, lse, delta, dq, parts, *args, o, *o.stride(), BIAS_SUMS=bias_sums,
-        GRAIN=BIAS_GRAIN, **meta)
-    _attn_bwd_dkdv_kernel[_grid("BLOCK_N", T, B * H)](
-        q, k, v, do, lse, delta, dk, dv, *args, **meta)
-    return grads, bias_grad(parts, bias_grad_dtype) if bias_sums else None
 
 
 def default_scale(head_dim: int) -> float:

@@ -4,10 +4,10 @@ A grid of (P, column blocks) programs; program (p, j) adds up row tiles p, p + P
 column block j in an fp32 register tile (one reduction across its rows at the end, none
 per tile), and writes one row of a (P, N) partial-sum buffer, which the same kernel then
 sums with one program per narrow column block (P is a few hundred at most): no atomics,
-the same result run to run. Against PyTorch's `g.sum(0)` on an H200 (docs/perf-notes.md,
-seventh round): 36.3 vs 40.4 us at 16384 x 3072, 16.4 vs 25.5 at 16384 x 768, and exact in
-fp32 where `sum` rounds to bf16; the fused MLP's measured forward+backward peak fell by
-100 MB when its two bias reductions moved here (sixth round; not attributed further).
+the same result run to run. Against PyTorch's `g.sum(0)` on an H200: 36.3 vs 40.4 us at
+16384 x 3072, 16.4 vs 25.5 at 16384 x 768, and exact in fp32 where `sum` rounds to bf16;
+the fused MLP's measured forward+backward peak fell by 100 MB when its two bias
+reductions moved here (not attributed further).
 
 Kernels that produce g tile by tile (the MLP's dGELU GEMM, the GELU backward) can instead
 write each tile's column sums as one row of such a partial-sum buffer

@@ -33,7 +33,7 @@ from fusedtrain.kernels._tma import gluon_ok
 BLOCK_V = 1024 if INTERPRET else 4096
 LOG2E = tl.constexpr(1.4426950408889634)
 # The forward's chunk and warps, measured on an H200 at GPT-2's 16384 x 50304 logits
-# (docs/perf-notes.md, fourteenth round): 0.41 ms, 4.0 TB/s of the logits read.
+# (docs/journal.md): 0.41 ms, 4.0 TB/s of the logits read.
 _FWD_BLOCK_V, _FWD_WARPS = 2048, 4
 
 
@@ -115,7 +115,7 @@ def scaled(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     """x * s for a one-element tensor s (an upstream gradient, on x's device): the product
     in fp32 (fp64 for fp64 x) rounded once to x's dtype, as PyTorch's x * s, in one
     vectorised pass (PyTorch's mixed-dtype kernel for a bf16 (16384, 768) x takes 46 us
-    on an H200; docs/perf-notes.md, twenty-first round)."""
+    on an H200; docs/journal.md)."""
     x = x.contiguous()
     y = torch.empty_like(x)
     block = 1024 if INTERPRET else 4096

@@ -5,7 +5,7 @@ Why: the loss needs a row's logsumexp before any of its gradient can be written,
 Triton kernels read the logits twice, once in the loss's kernel and again in the
 gradient's (4.95 GB of HBM traffic at GPT-2's 16384 x 50304 bf16 logits, ~1.24 ms on an
 H200). Re-reading a row from L2 instead did not work out: few rows in flight do not keep
-HBM busy, many evict each other (docs/perf-notes.md, nineteenth round). Here a CTA loads a
+HBM busy, many evict each other (docs/journal.md). Here a CTA loads a
 whole row (~100 KB) into shared memory by TMA, takes the logsumexp and the loss from it,
 then writes the gradient from it: 3.3 GB of traffic.
 
@@ -59,7 +59,7 @@ class _Shape:
 # Two CTAs of 8 warps on each SM where a row fits in half the shared memory, so that one's
 # loads and stores run while the other computes its row's logsumexp (H200, GPT-2's 16384 x
 # 50304 bf16 logits: 982 us, 3.4 TB/s, against 1164 us for one CTA of 16 warps with
-# 128-sub-row boxes and 1303 for one of 8; docs/perf-notes.md, twenty-first round); that
+# 128-sub-row boxes and 1303 for one of 8; docs/journal.md); that
 # one CTA of 16 warps for rows of up to all of it.
 SHAPES = (_Shape(box=64, warps=8, ctas_per_sm=2), _Shape(box=128, warps=16, ctas_per_sm=1))
 

@@ -112,7 +112,7 @@ def gelu_operand(a, APPROX: tl.constexpr, ACC: tl.constexpr):
     instruction: that form's constants and intermediates, rounded to bf16, shifted every
     activation the same way, about -0.2% of their mean magnitude against eager's
     +0.01%, and the fused model's loss drifted above the eager one's within its first
-    ~30 steps of training; docs/perf-notes.md, thirty-second round.)"""
+    ~30 steps of training; docs/journal.md.)"""
     return gelu(a.to(ACC), APPROX).to(a.dtype)
 
 

@@ -14,7 +14,7 @@ sums). Here each CTA walks its share of output tiles with three partitions:
 The turn also keeps the ring consumed in the producer's order. Without it, a consumer
 waiting for a slot of its next tile could meet the slot's barrier two laps ahead, whose
 phase parity is the same as the one it waits for, and read a tile not yet loaded (the
-launch failures of the seventeenth round's prototype, docs/perf-notes.md).
+launch failures of a first prototype, docs/journal.md).
 
 A kernel built on this module brings its epilogue (`epilogue(args, acc, buf, bar, off_m,
 off_n, j)`, on a (BM, BN) fp32 accumulator in ACC_LAYOUT) and a hook run before each
@@ -41,7 +41,7 @@ from fusedtrain.kernels._tma import enable_device_descriptors
 
 # Tiles: 128 x 128 per consumer (a 128-register fp32 accumulator in each of its 128
 # threads), 64-deep K steps, four ring slots: at gpt2's MLP shapes on an H200 faster than
-# 64 x 256 per consumer (docs/perf-notes.md, eighteenth round).
+# 64 x 256 per consumer (docs/journal.md).
 BM, BN, BK, STAGES = gl.constexpr(128), gl.constexpr(128), gl.constexpr(64), gl.constexpr(4)
 GROUP_M = gl.constexpr(8)
 # Registers: the default partition (consumer 0) runs under the kernel's cap; the second

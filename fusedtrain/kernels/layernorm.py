@@ -40,7 +40,7 @@ def _row_tiles(configs: list[triton.Config], named_args: dict, BLOCK_C: int, **_
     program, one tile of up to 64K.
     The backward at 16384 x 768 (padded to 1024) runs fastest on one row a tile, loads
     issued 3 tiles ahead: 51.9 us against 56.9 at 4 rows, the best of the tiles it had
-    before (H200, twenty-ninth round of docs/perf-notes.md)."""
+    before (H200, docs/journal.md)."""
     looped = "LOOP_STAGES" in configs[0].kwargs
     if INTERPRET:
         rows = {"BLOCK_M": max(1, min(64, (1 << 16) // BLOCK_C))}
@@ -57,7 +57,7 @@ ROW_CONFIGS = [triton.Config({"BLOCK_M": m}, num_warps=w)
                for m in (1, 2, 4, 8, 16) for w in (4, 8, 16)]
 # The forward also on one or two warps (rows of up to 2K, by _row_tiles' 32 elements per
 # thread): Inductor launches its LayerNorm at C = 768 on one row and one warp, 12.97 us
-# against our best four-warp tile's 13.34 (docs/perf-notes.md, eleventh round).
+# against our best four-warp tile's 13.34 (docs/journal.md).
 NARROW_CONFIGS = [triton.Config({"BLOCK_M": m}, num_warps=w) for m in (1, 2) for w in (1, 2)]
 # The backward's persistent loop over row tiles, also with its loads issued 3 tiles ahead
 # (tl.range's num_stages pipelines loads that feed no dot, which a kernel's num_stages
@@ -267,7 +267,7 @@ def _row_chunks(C: int, gelu: bool) -> dict:
     in registers). Otherwise one tile padded to the next power of two: without a GELU the
     forward is bound by memory and chunks were no faster (LayerNorm 13.5-14.1 us in
     chunks against 13.9-14.0 padded over two runs; the residual form 27.9 against 27.0;
-    ninth round of docs/perf-notes.md)."""
+    docs/journal.md)."""
     chunk = C & -C  # the largest power of two dividing C
     if gelu and chunk != C and chunk >= 256 and C // chunk <= 7:
         return {"BLOCK_C": chunk, "N_CHUNKS": C // chunk}
@@ -306,7 +306,7 @@ def layer_norm_fwd(x: torch.Tensor, residual: torch.Tensor | None, weight: torch
         HAS_W=weight is not None, HAS_B=bias is not None, GELU=_gelu_code(approximate, y),
         STATS=save_stats,
         OFF64=M * max(strides) + C >= 2**31,
-        # Measured on an H200 at 16384 x 768 (ninth round of docs/perf-notes.md): evicting
+        # Measured on an H200 at 16384 x 768 (docs/journal.md): evicting
         # the rows first helps LayerNorm (14.5 vs 15.7 us) and hurts the residual form,
         # which reads two inputs and writes two outputs (27.3 vs 26.4 us).
         EVICT="" if residual is not None else "evict_first",
@@ -320,8 +320,8 @@ def layer_norm_fwd(x: torch.Tensor, residual: torch.Tensor | None, weight: torch
 def _num_programs(M: int, block_c: int, device: torch.device) -> int:
     """Persistent grid size, whatever rows a program's tile holds: 4 programs per SM, 2 for
     rows of 4096 and wider (each writes a row of dW / db partials; a sweep over 2, 4 and
-    8 on an H200 put these within 5% of the best at every benchmark shape, seventh round
-    of docs/perf-notes.md); a handful under the interpreter."""
+    8 on an H200 put these within 5% of the best at every benchmark shape); a
+    handful under the interpreter."""
     if INTERPRET:
         return min(M, 4)
     return min(M, min(4, max(2, 8192 // block_c)) * sm_count(device))

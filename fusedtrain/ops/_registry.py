@@ -40,7 +40,7 @@ def register_inductor_fallbacks() -> None:
     the op and its whole input IR into a log message before creating the implicit
     fallback, at any log level; in a 12-layer GPT that IR is deep and the formatting
     recursive: compiling the fused gpt2 step took over 300 s on an H200 host, the main
-    thread inside ir.py's __str__ (docs/perf-notes.md, eighth round)."""
+    thread inside ir.py's __str__ (docs/journal.md)."""
     from torch._inductor import lowering
     from torch._library.utils import get_layout_constraint_tag
 

@@ -6,6 +6,7 @@ import torch
 from torch.utils.flop_counter import register_flop_formula
 
 from fusedtrain.kernels import attention as K
+from fusedtrain.kernels import attention_bwd as KB
 from fusedtrain.kernels._device import stat_dtype
 from fusedtrain.ops._registry import launcher
 from fusedtrain.ops._validate import autocast_cast, check_same, check_tensor
@@ -31,8 +32,8 @@ def attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: T
     """(3, B, H, T, D): dq, dk, dv in one buffer laid out as K.grad_buffer (a custom op's
     outputs may not alias, so the three views are taken by the caller); and the gradient
     (3C,) of a bias added to q, k, v before the attention, in bias_grad_dtype, or an empty
-    tensor without one (see K.attention_bwd)."""
-    grads, db = K.attention_bwd(do, q, k, v, o, lse, causal, softmax_scale, bias_grad_dtype)
+    tensor without one (see KB.attention_bwd)."""
+    grads, db = KB.attention_bwd(do, q, k, v, o, lse, causal, softmax_scale, bias_grad_dtype)
     return grads, db if db is not None else q.new_empty(0)
 
 

@@ -6,7 +6,7 @@ op casts the weight and bias itself (from `fusedtrain.casts.grouped_casts` when 
 cast there), and its backward writes the weight's gradient in the weight's own dtype
 straight from the GEMM (`torch.mm(out_dtype=...)` on CUDA): no bf16 gradient widened by a
 second pass (the tied head's 50304 x 768 on an H200: 1.88 against 1.96 ms,
-docs/perf-notes.md, fifteenth round). The bias gradient comes from the column-sum kernel
+docs/journal.md). The bias gradient comes from the column-sum kernel
 (fp32 accumulation, exact where PyTorch's bf16 `sum` rounds; 16 against 30 us at 16384 x
 768).
 """

@@ -4,7 +4,7 @@ torch.cuda.make_graphed_callables gives each piece its own input and gradient bu
 chain of pieces (embedding, blocks, head) then copies each activation into the next
 piece's inputs on the way forward and each gradient into the previous piece's on the
 way back. At GPT-2's size that is ~80 device copies, ~1 ms a step on an H200
-(docs/perf-notes.md, twenty-seventh round). Here piece i + 1 is captured reading piece
+(docs/journal.md). Here piece i + 1 is captured reading piece
 i's output buffers, and piece i's backward graph reads the gradient buffers that piece
 i + 1's backward graph writes. Only the caller's own inputs are copied.
 """

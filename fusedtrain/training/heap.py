@@ -12,7 +12,7 @@ def freeze_python_heap() -> None:
     gc.unfreeze(), as after a process's warm-up. Python's full collections walk every
     tracked object: on a lent H200 host one took up to 287 ms, landing inside whatever
     step it fell in (four in 40 timed steps of the fused gpt2 step, none after a freeze;
-    docs/perf-notes.md, twenty-eighth round). Objects made later are collected as before;
+    docs/journal.md). Objects made later are collected as before;
     frozen ones are still freed when their last reference goes, but a reference cycle
     among them only after gc.unfreeze()."""
     gc.collect()

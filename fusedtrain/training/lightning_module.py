@@ -86,7 +86,7 @@ class GPTModule(L.LightningModule):
         """Backward on this thread unless autograd_threads: PyTorch runs the backward of
         CUDA tensors on a worker thread per device, and each Python backward node (every
         fused op's) then pays a hand-over between the threads; the plain fused gpt2 step on
-        an H200 host ran 1.47x faster without it (docs/perf-notes.md, eleventh round)."""
+        an H200 host ran 1.47x faster without it (docs/journal.md)."""
         with torch.autograd.set_multithreading_enabled(self.autograd_threads):
             super().backward(loss, *args, **kwargs)
 
