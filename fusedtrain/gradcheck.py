@@ -1,7 +1,7 @@
 """Gradient checks as a run: op gradchecks in fp64, model-level fused-vs-eager gradients,
 and an accuracy report. Used by scripts/gradcheck.py and the test suite.
 
-The judging rule everywhere (DESIGN.md): the fused error against an fp64 oracle stays
+The judging rule everywhere (docs/design.md): the fused error against an fp64 oracle stays
 within 2x the eager op's own error in the same dtype, plus a small absolute tolerance.
 """
 

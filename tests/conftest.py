@@ -26,7 +26,7 @@ def max_err(a: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def assert_within_eager_error(fused, eager_same_dtype, ref64, atol: float, what: str = ""):
-    """DESIGN.md's rule: max |fused - ref64| <= 2 * max |eager - ref64| + atol."""
+    """docs/design.md's rule: max |fused - ref64| <= 2 * max |eager - ref64| + atol."""
     f, e = max_err(fused, ref64), max_err(eager_same_dtype, ref64)
     assert torch.isfinite(fused).all(), f"{what}: non-finite values"
     assert f <= 2 * e + atol, f"{what}: fused error {f:.3g} > 2 x eager error {e:.3g} + {atol:g}"
@@ -48,7 +48,7 @@ def grads_of(fn, inputs, grad_out=None):
 
 def check_against_oracle(fused_fn, eager_fn, inputs, atol: float, grad_atol: float | None = None,
                          what: str = ""):
-    """Outputs and input gradients of fused_fn within DESIGN.md's rule, with eager_fn on the
+    """Outputs and input gradients of fused_fn within docs/design.md's rule, with eager_fn on the
     same inputs as the peer and eager_fn in fp64 as the oracle (same upstream gradient)."""
     ref_in = [t.detach().double().requires_grad_() if isinstance(t, torch.Tensor) else t
               for t in inputs]

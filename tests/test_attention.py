@@ -206,7 +206,7 @@ def test_gpu_bf16_accuracy_and_determinism(B, H, T, D, causal):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("spread", [0.3, 3.0])
 def test_gpu_16bit_accuracy_with_concentrated_and_spread_scores(dtype, spread):
-    """Both 16-bit dtypes within DESIGN.md's rule, causal and not, at an odd length, with
+    """Both 16-bit dtypes within docs/design.md's rule, causal and not, at an odd length, with
     scores concentrated near zero (spread 0.3) and spread wide (3: rows dominated by a few
     keys)."""
     q, k, v = (t.detach().cuda() for t in _qkv(4, 6, 1023, 64, dtype=torch.float32))

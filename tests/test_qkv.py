@@ -223,7 +223,7 @@ def test_qkv_attention_bad_softmax_scale_and_head_dim():
 @pytest.mark.gpu
 @pytest.mark.parametrize("B,T,C,H", [(16, 1024, 768, 12), (8, 2048, 2048, 16)])
 def test_qkv_attention_gpu_bf16_accuracy(B, T, C, H):
-    """DESIGN.md's rule (fused error against fp64 <= 2 x the eager twin's + atol) on each
+    """docs/design.md's rule (fused error against fp64 <= 2 x the eager twin's + atol) on each
     output and gradient's largest error over three draws. The weight gradient sums B*T
     tokens' products into values of up to ~190 at gpt2's shape, whose largest error is a
     few bf16 ulps (one ulp = 1 there) and moves between draws by as much as the rule

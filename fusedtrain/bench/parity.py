@@ -52,7 +52,7 @@ def _max_abs_diff(a: list[float], b: list[float]) -> float:
 def parity_verdict(curves: dict[str, list[float]], variants: dict[str, dict]) -> dict:
     """With the fp32 model as the reference (the first curve), whether each variant with
     fused kernels stays as close to it as bf16 keeps the unfused model: max |fused - fp32|
-    <= 2 max |eager bf16 - fp32| + PARITY_ATOL, DESIGN.md's rule for one op applied to a
+    <= 2 max |eager bf16 - fp32| + PARITY_ATOL, docs/design.md's rule for one op applied to a
     training run. Empty without an fp32 reference or an unfused bf16 run to measure by."""
     names = list(curves)
     ref = names[0]

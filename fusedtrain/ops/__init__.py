@@ -1,4 +1,4 @@
-"""The public fused ops (see DESIGN.md): each a differentiable op over Triton kernels,
+"""The public fused ops (see docs/design.md): each a differentiable op over Triton kernels,
 with a twin of the same name and semantics in `fusedtrain.eager`."""
 
 from fusedtrain.ops import published_cast as _published_cast  # noqa: F401 (registers the op)
