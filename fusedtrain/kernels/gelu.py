@@ -108,7 +108,7 @@ def gelu(h, APPROX: tl.constexpr):
 @device_fn
 def gelu_operand(a, APPROX: tl.constexpr, ACC: tl.constexpr):
     """gelu(a) of a 16-bit tile a (a GEMM operand, a stored pre-activation): computed in
-    ACC and rounded once to a's dtype. (Not in a's own 16-bit format, two values an
+    ACC, then rounded once to a's dtype. (Not in a's own 16-bit format, two values an
     instruction: that form's constants and intermediates, rounded to bf16, shifted every
     activation the same way, about -0.2% of their mean magnitude against eager's
     +0.01%, and the fused model's loss drifted above the eager one's within its first

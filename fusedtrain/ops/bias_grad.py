@@ -11,7 +11,7 @@ from fusedtrain.ops._registry import launcher
 @launcher("bias_grad")
 def column_sums(g: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """g: (M, N) -> g.sum(0): (N,) in `dtype` (default g's), accumulated in fp32 (fp64 for
-    fp64 g) and rounded once."""
+    fp64 g), then rounded once."""
     return bias_grad(g, dtype or g.dtype)
 
 
