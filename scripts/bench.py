@@ -24,6 +24,11 @@
       the eager bf16 model trained --at steps of the parity run, then each variant's
       gradients on the next batches against the fp32 model's: relative L2 error per
       parameter group -> DIR/gradients.json
+  python scripts/bench.py host [--shapes tiny gpt2] [--ops NAME ...] [--calls 200] [--out DIR]
+      per public op, one forward+backward in a plain loop (host and GPU; at the tiny
+      shape the GPU idles, so it is the host's cost) and as a CUDA-graph replay (GPU
+      time), fused beside its eager twin, with kernels per call -> DIR/host.json,
+      DIR/host.png; --cprofile OP prints cProfile's top functions of OP's fused calls
   python scripts/bench.py profile [--variant fused] [--model gpt2] [--out DIR]
       torch.profiler over a few training steps: GPU-busy share of the step and the top
       kernels by GPU time -> DIR/profile-VARIANT.txt
@@ -31,7 +36,8 @@
 A table goes to stdout. Needs a CUDA GPU (the train part also runs on CPU for a smoke test).
 `train` and `profile` run backward on the calling thread, as scripts/train.py does;
 --autograd-threads gives PyTorch's worker thread instead. The benchmarks themselves are
-fusedtrain/bench/ (kernels.py, training.py, parity.py, profile.py); this is their command line.
+fusedtrain/bench/ (kernels.py, training.py, parity.py, profile.py, host.py); this is
+their command line.
 """
 
 from __future__ import annotations
@@ -44,7 +50,7 @@ from pathlib import Path
 
 import torch
 
-from fusedtrain.bench import kernels, parity, profile, training
+from fusedtrain.bench import host, kernels, parity, profile, training
 
 
 def _run_shape_args(parser: argparse.ArgumentParser, steps: int) -> None:
@@ -100,6 +106,12 @@ def main(argv=None) -> int:
     f.add_argument("--top", type=int, default=25)
     f.add_argument("--host", action="store_true", help="also cProfile the host side")
     f.add_argument("--out", default="results")
+    h = sub.add_parser("host", help="host cost per op, fused vs eager twin")
+    h.add_argument("--shapes", nargs="+", choices=list(host.SHAPES), default=list(host.SHAPES))
+    h.add_argument("--ops", nargs="+", metavar="NAME", help="only these ops (default: all)")
+    h.add_argument("--calls", type=int, default=200, help="timed calls at the tiny shape")
+    h.add_argument("--cprofile", metavar="OP", help="cProfile OP's fused calls at the tiny shape")
+    h.add_argument("--out", default="results")
     q = sub.add_parser("parity", help="fused vs eager loss curves, same seed and data")
     q.add_argument("--model", default="tiny")
     q.add_argument("--batch", type=int, default=8)
@@ -153,6 +165,33 @@ def main(argv=None) -> int:
         out.mkdir(parents=True, exist_ok=True)
         result["env"] = run_info(args, "model", "batch", "seq", "at", "batches", "data", "seed")
         (out / "gradients.json").write_text(json.dumps(result, indent=1))
+        return 0
+    if args.cmd == "host":
+        if not torch.cuda.is_available():
+            print("bench.py host needs a CUDA GPU", file=sys.stderr)
+            return 2
+        if args.calls < 1:
+            print("bench.py host: --calls must be >= 1", file=sys.stderr)
+            return 2
+        unknown = set(args.ops or ()) | ({args.cprofile} - {None}) - set(host.op_cases(1, 2))
+        if unknown:
+            print(f"bench.py host: unknown ops {sorted(unknown)}; known: "
+                  f"{' '.join(host.op_cases(1, 2))}", file=sys.stderr)
+            return 2
+        if args.cprofile:
+            print(host.cprofile_op(args.cprofile, args.calls))
+            return 0
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        info = run_info(args, "shapes", "calls")
+        info["autograd_threads"] = torch.autograd.is_multithreading_enabled()
+        print(json.dumps(info), flush=True)
+        rows = host.run_host(args.shapes, args.ops, args.calls)
+        (out / "host.json").write_text(json.dumps({"env": info, "rows": rows}, indent=1))
+        print(host.host_table(rows))
+        host.plot_host(rows, out / "host.png",
+                       f"host cost per forward+backward, {info['gpu']}, torch {info['torch']}, "
+                       f"triton {info['triton']}, bf16, {info['date']}")
         return 0
     if args.cmd == "profile":
         if not torch.cuda.is_available():

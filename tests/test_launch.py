@@ -3,6 +3,8 @@ specialisation and tuning key that triton has launched before, with triton's own
 arguments; everything else goes through triton. On the CPU with stand-ins for triton's
 JITFunction and Autotuner; on a GPU with the real kernels."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from triton.runtime.autotuner import Autotuner
@@ -12,6 +14,7 @@ from fusedtrain.kernels import _launch
 
 class _Compiled:
     function, packed_metadata = "function", "metadata"
+    metadata = SimpleNamespace(global_scratch_size=0)
 
     def __init__(self):
         self.launches = []
@@ -114,6 +117,71 @@ def test_autotuned_kernel_uses_the_tuners_choice(enabled):
     assert compiled.launches[-1][-3:] == (48, 64, 128)
     kernel[(4,)](32, 80)  # another tuning key: the autotuner again
     assert len(jit.triton_calls) == 3
+
+
+class _TensorJit(_Jit):
+    """A _Jit whose first argument is a tensor (specialised on its 16-byte alignment) and
+    whose binder calls are counted."""
+
+    arg_names = ["x_ptr", "n", "scale", "BLOCK"]
+
+    def __init__(self):
+        super().__init__()
+        self.bindings = 0
+        self.device_caches = {0: (None, None, None, None, self._count)}
+
+    def _count(self, *args, **kwargs):
+        self.bindings += 1
+        return self._binder(*args, **kwargs)
+
+    @staticmethod
+    def _binder(x_ptr, n, scale, BLOCK, **options):
+        bound = {"x_ptr": x_ptr, "n": n, "scale": scale, "BLOCK": BLOCK}
+        return bound, [("*fp32", x_ptr.data_ptr() % 16 == 0), ("i32", n % 16 == 0),
+                       ("fp32", None), ("constexpr", BLOCK)], options
+
+
+def test_a_repeated_call_launches_from_its_plan_without_binding(enabled):
+    """From the second launch of a specialisation on, a call with the same integers,
+    dtypes and keywords (floats aside) skips the binder; a call whose tensor is aligned
+    otherwise goes the general way (and gets the kernel its alignment needs)."""
+    jit = _TensorJit()
+    kernel = _launch.fast_launch(jit)
+    buf = torch.zeros(64)
+    kernel[(4,)](buf, 64, 0.5, BLOCK=128)  # compiled by triton
+    kernel[(4,)](buf, 64, 0.5, BLOCK=128)  # bound, launched, planned
+    assert (len(jit.triton_calls), jit.bindings) == (1, 2)
+    kernel[(4,)](torch.zeros(64), 64, 0.25, BLOCK=128)  # another lr-like float: the plan
+    assert jit.bindings == 2
+    (compiled,) = jit.compiled.values()
+    assert compiled.launches[-1][-3:-1] == (64, 0.25)
+    kernel[(4,)](buf[1:], 64, 0.5, BLOCK=128)  # 4 bytes off: not the plan's alignment
+    assert len(jit.triton_calls) == 2  # a new specialisation, compiled by triton
+    kernel[(4,)](buf, 80, 0.5, BLOCK=128)  # another integer: another plan
+    assert jit.bindings == 4
+
+
+def test_a_planned_launch_skips_its_arguments_function(enabled, monkeypatch):
+    """planned(key, args, launch): launch() (grid and constexprs) is called until the key
+    has a plan; with FUSEDTRAIN_CHECK_PLANS a key that misses what the launch depends on
+    is caught."""
+    jit = _TensorJit()
+    kernel = _launch.fast_launch(jit)
+    buf, made = torch.zeros(64), []
+
+    def launch(block=128):
+        made.append(block)
+        return (lambda meta: (meta["n"] // 16,)), {"BLOCK": block}
+
+    for _ in range(4):
+        kernel.planned(("n", 64), (buf, 64, 0.5), launch)
+    assert len(made) == 2  # compiled, then planned; the last two from the plan
+    (compiled,) = jit.compiled.values()
+    assert compiled.launches[-1][:3] == (4, 1, 1) and compiled.launches[-1][-1] == 128
+    monkeypatch.setattr(_launch, "CHECK_PLANS", True)
+    kernel.planned(("n", 64), (buf, 64, 0.5), launch)  # the key holds: no error
+    with pytest.raises(_launch.PlanMismatchError):  # BLOCK is not in the key
+        kernel.planned(("n", 64), (buf, 64, 0.5), lambda: launch(block=64))
 
 
 @pytest.mark.gpu

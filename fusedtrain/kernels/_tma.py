@@ -28,6 +28,7 @@ import triton.language as tl
 from fusedtrain.kernels import INTERPRET
 from fusedtrain.kernels._device import ceil_div, sm_count
 from fusedtrain.kernels._gemm import grouped_tile
+from fusedtrain.kernels._launch import enable_device_descriptors
 from fusedtrain.kernels._primitives import device_fn
 from fusedtrain.kernels.gelu import gelu_operand
 
@@ -128,19 +129,6 @@ def k_splits(tiles: int, K: int, device: torch.device, per_sm: int = 1) -> int:
     programs = per_sm * sm_count(device)
     return min(range(1, max(1, min(8, K // 1024)) + 1),
                key=lambda s: (ceil_div(tiles * s, programs) / s, s))
-
-
-def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
-    # Not kept for the next launch: in Inductor's CUDA-graph warm-up (reduce-overhead) it
-    # would be a live allocation in the graph's pool (docs/journal.md).
-    return torch.empty(size, device="cuda", dtype=torch.int8)
-
-
-def enable_device_descriptors() -> None:
-    """Give triton the scratch allocator that kernels making descriptors on the device need.
-    Call before every such launch: triton keeps the allocator in a context variable, and
-    autograd runs backward kernels on its own threads, which start with none."""
-    triton.set_allocator(_scratch)
 
 
 def launch(kernel, work_items: int, device: torch.device, *args, config: TmaConfig,

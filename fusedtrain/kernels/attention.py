@@ -272,13 +272,12 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     o = output_buffer(q)
     lse = torch.empty((B, H, T), device=q.device,
                       dtype=stat_dtype(q))
-    _attn_fwd_kernel[_grid("BLOCK_M", T, B * H)](
-        q, k, v, o, lse, qk_scale, H, T, D, next_pow2(T), B * H,
-        _heads_per_group(q, causal),
-        *q.stride(), *k.stride(), *v.stride(), *o.stride(),
-        CAUSAL=causal, ACC=acc, PRECISION=dot_precision(q), BLOCK_D=block_d,
-        TMA=_loads_through_tma(k, v),
-    )
+    key = (q.shape, q.stride(), k.stride(), v.stride(), q.dtype, causal)
+    _attn_fwd_kernel.planned(key, (
+        q, k, v, o, lse, qk_scale, H, T, D, next_pow2(T), B * H, _heads_per_group(q, causal),
+        *q.stride(), *k.stride(), *v.stride(), *o.stride()), lambda: (
+            _grid("BLOCK_M", T, B * H), dict(CAUSAL=causal, ACC=acc, PRECISION=dot_precision(q),
+                                             BLOCK_D=block_d, TMA=_loads_through_tma(k, v))))
     return o, lse
 
 

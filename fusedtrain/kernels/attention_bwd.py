@@ -243,11 +243,16 @@ def attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
     args = (qk_scale, softmax_scale, H, T, D, next_pow2(T), B * H,
             _heads_per_group(q, causal),
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride())
-    meta = dict(CAUSAL=causal, ACC=acc, PRECISION=dot_precision(q), BLOCK_D=block_d,
-                TMA=_loads_through_tma(q, k, v, do))
-    _attn_bwd_dq_kernel[_grid("BLOCK_M", T, B * H)](
-        q, k, v, do, lse, delta, dq, parts, *args, o, *o.stride(), BIAS_SUMS=bias_sums,
-        GRAIN=BIAS_GRAIN, **meta)
-    _attn_bwd_dkdv_kernel[_grid("BLOCK_N", T, B * H)](
-        q, k, v, do, lse, delta, dk, dv, *args, **meta)
+    key = (q.shape, q.stride(), k.stride(), v.stride(), do.stride(), o.stride(), q.dtype,
+           causal, bias_sums)
+
+    def meta():
+        return dict(CAUSAL=causal, ACC=acc, PRECISION=dot_precision(q), BLOCK_D=block_d,
+                    TMA=_loads_through_tma(q, k, v, do))
+
+    _attn_bwd_dq_kernel.planned(
+        key, (q, k, v, do, lse, delta, dq, parts, *args, o, *o.stride()),
+        lambda: (_grid("BLOCK_M", T, B * H), dict(BIAS_SUMS=bias_sums, GRAIN=BIAS_GRAIN, **meta())))
+    _attn_bwd_dkdv_kernel.planned(key, (q, k, v, do, lse, delta, dk, dv, *args),
+                                  lambda: (_grid("BLOCK_N", T, B * H), meta()))
     return grads, bias_grad(parts, bias_grad_dtype) if bias_sums else None

@@ -78,7 +78,8 @@ def bias_grad(g: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor
     last = programs == 1
     parts = torch.empty((programs, N), device=g.device,
                         dtype=(dtype or stat_dtype(g)) if last else stat_dtype(g))
-    _column_sums_kernel[(programs, ceil_div(N, block_n))](
-        g, parts, M, N, g.stride(0), ACC=acc_dtype(g), BLOCK_M=block_m, BLOCK_N=block_n,
-        num_warps=_WARPS)
+    _column_sums_kernel.planned(
+        (M, N, g.stride(0), g.dtype, parts.dtype), (g, parts, M, N, g.stride(0)),
+        lambda: ((programs, ceil_div(N, block_n)),
+                 dict(ACC=acc_dtype(g), BLOCK_M=block_m, BLOCK_N=block_n, num_warps=_WARPS)))
     return parts[0] if last else bias_grad(parts, dtype)

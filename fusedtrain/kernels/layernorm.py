@@ -298,20 +298,27 @@ def layer_norm_fwd(x: torch.Tensor, residual: torch.Tensor | None, weight: torch
     r2 = _rows(residual) if residual is not None else x2
     s = torch.empty((M, C) if residual is not None else (0, C), device=x.device,
                     dtype=stream_dtype)
-    strides = (x2.stride(0), r2.stride(0), y.stride(0), s.stride(0) if residual is not None else 0)
-    _ln_fwd_kernel[lambda meta: (ceil_div(M, meta["BLOCK_M"]),)](
+    has_res = residual is not None
+    strides = (x2.stride(0), r2.stride(0), C, C if has_res else 0)
+    key = (M, C, *strides, x.dtype, r2.dtype, None if weight is None else weight.dtype,
+           None if bias is None else bias.dtype, None if x_bias is None else x_bias.dtype,
+           out_dtype, stream_dtype, approximate, save_stats, has_res)
+
+    def launch():
+        return (lambda meta: (ceil_div(M, meta["BLOCK_M"]),)), dict(
+            HAS_XB=x_bias is not None, HAS_RES=has_res, HAS_W=weight is not None,
+            HAS_B=bias is not None, GELU=_gelu_code(approximate, y), STATS=save_stats,
+            OFF64=M * max(strides) + C >= 2**31,
+            # Measured on an H200 at 16384 x 768: evicting the rows first helps LayerNorm
+            # (14.5 vs 15.7 us) and hurts the residual form, which reads two inputs and
+            # writes two outputs (27.3 vs 26.4 us).
+            EVICT="" if has_res else "evict_first",
+            ACC=acc_dtype(x), **_row_chunks(C, approximate is not None))
+
+    _ln_fwd_kernel.planned(key, (
         x2, x_bias if x_bias is not None else x2, r2, weight if weight is not None else x2,
-        bias if bias is not None else x2, y, s if residual is not None else y, mean, rstd,
-        M, C, eps, *strides, HAS_XB=x_bias is not None, HAS_RES=residual is not None,
-        HAS_W=weight is not None, HAS_B=bias is not None, GELU=_gelu_code(approximate, y),
-        STATS=save_stats,
-        OFF64=M * max(strides) + C >= 2**31,
-        # Measured on an H200 at 16384 x 768 (docs/journal.md): evicting
-        # the rows first helps LayerNorm (14.5 vs 15.7 us) and hurts the residual form,
-        # which reads two inputs and writes two outputs (27.3 vs 26.4 us).
-        EVICT="" if residual is not None else "evict_first",
-        ACC=acc_dtype(x), **_row_chunks(C, approximate is not None),
-    )
+        bias if bias is not None else x2, y, s if has_res else y, mean, rstd,
+        M, C, eps, *strides), launch)
     if residual is not None:
         s = s.view(x.shape)
     return y.view(x.shape), s, mean, rstd
@@ -330,14 +337,17 @@ def _num_programs(M: int, block_c: int, device: torch.device) -> int:
 def layer_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None,
                    bias: torch.Tensor | None, mean: torch.Tensor, rstd: torch.Tensor,
                    ds: torch.Tensor | None, approximate: str | None, dx_dtype: torch.dtype,
-                   dx2_dtype: torch.dtype | None = None, dx_sums: bool = False):
+                   dx2_dtype: torch.dtype | None = None, dx_sums: bool = False,
+                   sums_dtype: torch.dtype | None = None):
     """Gradients of y = [gelu](LN(x)) w.r.t. x (plus ds, the gradient that reached the
     residual stream output, if given), weight and bias. x is the normalised input (s for
     add_layer_norm). Returns (dx, dx2, sums): dx2 is dx again in dx2_dtype, written by the
     same pass (None if not asked: add_layer_norm's two inputs may differ in dtype, and a
-    separate cast would re-read dx); sums (2, C) holds the fp32 dW and db sums (each
-    meaningful only if that parameter exists), reduced together in one launch, and with
-    dx_sums a third row, dx's column sums (add_layer_norm's x_bias gradient)."""
+    separate cast would re-read dx); sums (2, C) holds the dW and db sums (each
+    meaningful only if that parameter exists), reduced together in one launch, in fp32
+    (fp64 for fp64 x) or sums_dtype (rounded once by that launch: no cast kernel for
+    parameters of that dtype), and with dx_sums a third row, dx's column sums
+    (add_layer_norm's x_bias gradient)."""
     C = x.shape[-1]
     x2, dy2 = _rows(x), _rows(dy)
     ds2 = _rows(ds) if ds is not None else dy2
@@ -349,13 +359,15 @@ def layer_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | Non
     part_dtype = stat_dtype(x)
     n_sums = 3 if dx_sums else 2
     parts = torch.empty((G, n_sums, C), device=x.device, dtype=part_dtype)
-    _ln_bwd_kernel[(G,)](
+    key = (M, C, dy2.stride(0), x2.stride(0), ds2.stride(0), dy.dtype, x.dtype,
+           None if weight is None else weight.dtype, None if bias is None else bias.dtype,
+           None if ds is None else ds.dtype, dx_dtype, dx2_dtype, dx_sums, approximate)
+    _ln_bwd_kernel.planned(key, (
         dy2, x2, weight if weight is not None else x2, bias if bias is not None else x2,
         mean, rstd, ds2, dx, dx if dx2 is None else dx2, parts, M, C,
-        dy2.stride(0), x2.stride(0), ds2.stride(0), dx.stride(0), dx.stride(0),
-        HAS_W=weight is not None, HAS_B=bias is not None, HAS_DS=ds is not None,
-        HAS_DX2=dx2 is not None, DX_SUMS=dx_sums, GELU=_gelu_code(approximate, dx),
-        ACC=acc_dtype(x), BLOCK_C=block_c,
-    )
-    sums = bias_grad(parts.view(G, n_sums * C)).view(n_sums, C)
+        dy2.stride(0), x2.stride(0), ds2.stride(0), C, C), lambda: ((G,), dict(
+            HAS_W=weight is not None, HAS_B=bias is not None, HAS_DS=ds is not None,
+            HAS_DX2=dx2 is not None, DX_SUMS=dx_sums, GELU=_gelu_code(approximate, dx),
+            ACC=acc_dtype(x), BLOCK_C=block_c)))
+    sums = bias_grad(parts.view(G, n_sums * C), sums_dtype).view(n_sums, C)
     return dx.view(x.shape), None if dx2 is None else dx2.view(x.shape), sums

@@ -48,18 +48,27 @@ def _(x, residual, weight, bias, eps, approximate, out_dtype, stream_dtype, save
 def _layer_norm_bwd(dy: Tensor, x: Tensor, weight: Tensor | None, bias: Tensor | None,
                     mean: Tensor, rstd: Tensor, ds: Tensor | None, approximate: str,
                     dx_dtype: torch.dtype, dx2_dtype: torch.dtype | None,
-                    dx_sums: bool = False) -> list[Tensor]:
+                    dx_sums: bool = False, sums_dtype: torch.dtype | None = None
+                    ) -> list[Tensor]:
     """[dx, sums] or, with dx2_dtype, [dx, sums, dx in dx2_dtype] (see K.layer_norm_bwd)."""
     dx, dx2, sums = K.layer_norm_bwd(dy, x, weight, bias, mean, rstd, ds, approximate or None,
-                                     dx_dtype, dx2_dtype, dx_sums)
+                                     dx_dtype, dx2_dtype, dx_sums, sums_dtype)
     return [dx, sums] if dx2 is None else [dx, sums, dx2]
 
 
 @_layer_norm_bwd.register_fake
-def _(dy, x, weight, bias, mean, rstd, ds, approximate, dx_dtype, dx2_dtype, dx_sums=False):
+def _(dy, x, weight, bias, mean, rstd, ds, approximate, dx_dtype, dx2_dtype, dx_sums=False,
+      sums_dtype=None):
     grads = [x.new_empty(x.shape, dtype=dx_dtype),
-             x.new_empty((3 if dx_sums else 2, x.shape[-1]), dtype=mean.dtype)]
+             x.new_empty((3 if dx_sums else 2, x.shape[-1]), dtype=sums_dtype or mean.dtype)]
     return grads if dx2_dtype is None else [*grads, x.new_empty(x.shape, dtype=dx2_dtype)]
+
+
+def _sums_dtype(*params: Tensor | None) -> torch.dtype | None:
+    """The one dtype of the given parameters, for the backward to write their gradient
+    sums in (None: they differ, or there are none; the sums then stay fp32)."""
+    dtypes = {p.dtype for p in params if p is not None}
+    return dtypes.pop() if len(dtypes) == 1 else None
 
 
 def _param_grads(sums: Tensor, weight: Tensor | None, bias: Tensor | None):
@@ -86,8 +95,8 @@ class LayerNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, ds=None):
         x, weight, bias, mean, rstd = ctx.saved_tensors
-        dx, sums = _layer_norm_bwd(
-            dy, x, weight, bias, mean, rstd, ds, ctx.approximate, x.dtype, None)
+        dx, sums = _layer_norm_bwd(dy, x, weight, bias, mean, rstd, ds, ctx.approximate,
+                                   x.dtype, None, False, _sums_dtype(weight, bias))
         return (dx, *_param_grads(sums, weight, bias), None, None, None, None, None)
 
 
@@ -104,6 +113,7 @@ class AddLayerNormFunction(torch.autograd.Function):
             x, residual, weight, bias, eps, "", out_dtype, stream_dtype, save_stats, x_bias)
         ctx.save_for_backward(s, weight, bias, mean, rstd)
         ctx.dtypes = (x.dtype, residual.dtype, None if x_bias is None else x_bias.dtype)
+        ctx.sums_dtype = _sums_dtype(weight, bias, x_bias)
         return y, s
 
     @staticmethod
@@ -113,7 +123,8 @@ class AddLayerNormFunction(torch.autograd.Function):
         # d/dx = d/dresidual: one gradient, written in each input's dtype by the one pass;
         # d/dx_bias its column sums, from the same pass.
         grads = _layer_norm_bwd(dy, s, weight, bias, mean, rstd, ds, "", res_dtype,
-                                None if x_dtype == res_dtype else x_dtype, xb_dtype is not None)
+                                None if x_dtype == res_dtype else x_dtype, xb_dtype is not None,
+                                ctx.sums_dtype)
         dres, sums = grads[:2]
         dx = grads[2] if len(grads) == 3 else dres
         dxb = None if xb_dtype is None else sums[2].to(xb_dtype)

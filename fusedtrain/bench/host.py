@@ -1,0 +1,185 @@
+"""`bench.py host`: what each public op costs the host, beside its eager twin.
+
+Per op and shape, in one process, bf16 on the GPU: the plain-loop time of one forward +
+backward (host and GPU together, as a user's loop runs it: `torch.autograd.grad` with
+autograd's default threads), which at the tiny shape, where the GPU idles, is the host's
+cost; the GPU time of the same call replayed as a CUDA graph; and how many kernels one
+call launches (torch.profiler's CUDA kernel events). Rows go to JSON, and a chart shows the
+host-bound times fused beside eager.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from fusedtrain import eager, ops
+from fusedtrain.bench.kernels import fwd_bwd, randn
+
+SHAPES = {"tiny": (1, 64), "gpt2": (16, 1024)}  # (B, T); C = 768, 12 heads, vocab 50304
+WIDTH, HEADS, VOCAB = 768, 12, 50304
+
+
+def op_cases(B: int, T: int) -> dict[str, tuple[Callable, Callable, list]]:
+    """name -> (fused op, eager twin, inputs) for every public op at (B, T, 768)."""
+    C, H, V = WIDTH, HEADS, VOCAB
+    D = C // H
+    x, r, w, b = randn(B, T, C), randn(B, T, C), randn(C), randn(C)
+    fc_w, fc_b = randn(4 * C, C, scale=C ** -0.5), randn(4 * C)
+    proj_w, proj_b = randn(C, 4 * C, scale=(4 * C) ** -0.5), randn(C)
+    qkv_w, qkv_b = randn(3 * C, C, scale=C ** -0.5), randn(3 * C)
+    q, k, v = (randn(B, H, T, D) for _ in range(3))
+    head_w = randn(V, C, scale=C ** -0.5)
+    logits = randn(B * T, V)
+    idx = torch.randint(0, V, (B, T), device="cuda")
+    targets = idx.view(-1)
+    wpe = randn(T, C)
+    return {
+        "linear": (ops.linear, eager.linear, [x, randn(C, C, scale=C ** -0.5), proj_b]),
+        "linear_gelu": (ops.linear_gelu, eager.linear_gelu, [x, fc_w, fc_b]),
+        "fused_mlp": (ops.fused_mlp, eager.fused_mlp, [x, fc_w, fc_b, proj_w, proj_b]),
+        "qkv_projection": (lambda *a: ops.qkv_projection(*a, H),
+                           lambda *a: eager.qkv_projection(*a, H), [x, qkv_w, qkv_b]),
+        "flash_attention": (ops.flash_attention, eager.flash_attention, [q, k, v]),
+        "qkv_attention": (lambda *a: ops.qkv_attention(*a, H),
+                          lambda *a: eager.qkv_attention(*a, H), [x, qkv_w, qkv_b]),
+        "layer_norm": (ops.layer_norm, eager.layer_norm, [x, w, b]),
+        "layer_norm_stream": (ops.layer_norm_stream, eager.layer_norm_stream, [x, w, b]),
+        "add_layer_norm": (ops.add_layer_norm, eager.add_layer_norm, [x, r, w, b]),
+        "layer_norm_gelu": (ops.layer_norm_gelu, eager.layer_norm_gelu, [x, w, b]),
+        "cross_entropy": (ops.cross_entropy, eager.cross_entropy, [logits, targets]),
+        "linear_cross_entropy": (ops.linear_cross_entropy, eager.linear_cross_entropy,
+                                 [x.view(B * T, C), head_w, targets]),
+        "embedding": (ops.embedding, eager.embedding, [idx, head_w]),
+        "gpt_embedding": (ops.gpt_embedding, eager.gpt_embedding, [idx, head_w, wpe]),
+    }
+
+
+def _output_grads(fn: Callable, inputs: list) -> list[torch.Tensor]:
+    """Random gradients for fn's floating outputs, made once (not inside the timed call)."""
+    out = fn(*inputs)
+    outs = out if isinstance(out, tuple) else (out,)
+    return [torch.randn_like(o) for o in outs]
+
+
+def plain_loop_us(run: Callable[[], None], calls: int) -> float:
+    """Microseconds a call of `run`, issued back to back from Python, one sync at each end."""
+    for _ in range(10):
+        run()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        run()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
+def graph_us(run: Callable[[], None]) -> float:
+    """GPU microseconds of `run` replayed as a CUDA graph (median)."""
+    import triton.testing
+
+    return triton.testing.do_bench_cudagraph(run, rep=50, return_mode="median") * 1e3
+
+
+def kernels_per_call(run: Callable[[], None]) -> int:
+    """CUDA kernels one call of `run` launches (memsets and copies not counted)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    run()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events()
+               if e.device_type == torch.autograd.DeviceType.CUDA
+               and not e.name.startswith(("Memset", "Memcpy")))
+
+
+def run_host(shapes: list[str], op_names: list[str] | None, calls: int) -> list[dict]:
+    """One row per (op, shape, variant): plain_us, gpu_us, kernels."""
+    rows = []
+    for shape in shapes:
+        B, T = SHAPES[shape]
+        cases = op_cases(B, T)
+        for name in op_names or list(cases):
+            fused, twin, inputs = cases[name]
+            for variant, fn in (("fused", fused), ("eager", twin)):
+                run = fwd_bwd(fn, inputs, _output_grads(fn, inputs))
+                n = calls if shape == "tiny" else max(10, calls // 10)
+                row = {"op": name, "shape": shape, "B": B, "T": T, "C": WIDTH,
+                       "variant": variant, "plain_us": plain_loop_us(run, n),
+                       "gpu_us": graph_us(run), "kernels": kernels_per_call(run)}
+                rows.append(row)
+                print(f"{name:22s} {shape:5s} {variant:6s} plain {row['plain_us']:8.1f} us  "
+                      f"GPU {row['gpu_us']:8.1f} us  kernels {row['kernels']}", flush=True)
+            torch.cuda.empty_cache()
+    return rows
+
+
+def host_table(rows: list[dict]) -> str:
+    """Per op and shape: plain-loop and GPU us, fused and eager, and fused / eager."""
+    by = {(r["op"], r["shape"], r["variant"]): r for r in rows}
+    lines = [f"{'op':22s} {'shape':5s} {'fused us':>9s} {'eager us':>9s} {'ratio':>6s} "
+             f"{'fused GPU':>9s} {'eager GPU':>9s} {'kernels f/e':>11s}"]
+    for op, shape in dict.fromkeys((r["op"], r["shape"]) for r in rows):
+        f, e = by[(op, shape, "fused")], by[(op, shape, "eager")]
+        lines.append(f"{op:22s} {shape:5s} {f['plain_us']:9.1f} {e['plain_us']:9.1f} "
+                     f"{f['plain_us'] / e['plain_us']:6.2f} {f['gpu_us']:9.1f} "
+                     f"{e['gpu_us']:9.1f} {f['kernels']:>5d}/{e['kernels']:<5d}")
+    return "\n".join(lines)
+
+
+def plot_host(rows: list[dict], path: Path, title: str) -> None:
+    """Per op, the plain-loop time of one forward+backward at each shape, fused beside eager
+    (horizontal bars, shorter is faster), with each variant's GPU time as a tick."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    ops_ = list(dict.fromkeys(r["op"] for r in rows))
+    by = {(r["op"], r["shape"], r["variant"]): r for r in rows}
+    fig, axes = plt.subplots(1, len(shapes), figsize=(6 * len(shapes), 0.45 * len(ops_) + 1.5),
+                             squeeze=False)
+    for ax, shape in zip(axes[0], shapes):
+        for j, (variant, color) in enumerate((("fused", "tab:orange"), ("eager", "tab:blue"))):
+            ys = [i + 0.2 - 0.4 * j for i in range(len(ops_))]
+            got = [by.get((op, shape, variant)) for op in ops_]
+            ax.barh(ys, [g["plain_us"] if g else 0 for g in got], height=0.38, color=color,
+                    label=f"{variant}, plain loop")
+            ax.scatter([g["gpu_us"] if g else 0 for g in got], ys, marker="|", s=120,
+                       color="black", label="GPU time (graph)" if j == 0 else None)
+        ax.set_yticks(range(len(ops_)), ops_)
+        ax.invert_yaxis()
+        ax.set_xlabel("us per forward+backward")
+        ax.set_title(f"{shape} (B, T) = {SHAPES[shape]}")
+        ax.legend(loc="lower right", fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def cprofile_op(name: str, calls: int, top: int = 30) -> str:
+    """cProfile's top functions by own time over `calls` fused forward+backward calls of
+    op `name` at the tiny shape, after a warm-up."""
+    import cProfile
+    import io
+    import pstats
+
+    fused, _, inputs = op_cases(*SHAPES["tiny"])[name]
+    run = fwd_bwd(fused, inputs, _output_grads(fused, inputs))
+    plain_loop_us(run, 10)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        run()
+    torch.cuda.synchronize()
+    prof.disable()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(top)
+    return f"{name}: {calls} fused forward+backward calls\n" + text.getvalue()
