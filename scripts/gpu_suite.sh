@@ -60,7 +60,7 @@ step kernels 550 python scripts/bench.py kernels --out "$out"
 step parity 550 python scripts/bench.py parity --model gpt2 --steps 300 --batch 16 \
   --seq 1024 --out "$out"
 step profile 300 python scripts/bench.py profile --variant fused --host --out "$out"
-step host-overhead 120 python scripts/host_overhead.py
+step host 400 python scripts/bench.py host --out "$out/host"
 step lightning-graph 500 python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_cuda_graph.py
 step ddp 550 python -m pytest -q -s -m gpu -p no:cacheprovider tests/test_ddp.py
 echo "gpu_suite: ${#failed[@]} failed${failed:+: ${failed[*]}}"

@@ -180,11 +180,29 @@ def test_graph_captured_variants_run_after_every_plain_one():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="measures on the GPU")
-def test_host_overhead_without_a_gpu_says_so():
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "host_overhead.py"),
+def test_bench_host_without_a_gpu_says_so():
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "host",
                         "--calls", "1"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 2
     assert "needs a CUDA GPU" in r.stderr
+
+
+def test_host_table_and_chart_pair_each_op_with_its_twin(tmp_path):
+    """bench.py host's summary: per op and shape the fused and eager plain-loop times,
+    their ratio and the kernels per call; the chart is written."""
+    from fusedtrain.bench import host
+
+    rows = [{"op": "layer_norm", "shape": s, "variant": v, "plain_us": us, "gpu_us": g,
+             "kernels": k}
+            for s, v, us, g, k in (("tiny", "fused", 90.0, 11.0, 3),
+                                   ("tiny", "eager", 120.0, 9.0, 3),
+                                   ("gpt2", "fused", 130.0, 48.0, 3),
+                                   ("gpt2", "eager", 170.0, 90.0, 3))]
+    table = host.host_table(rows).splitlines()
+    assert len(table) == 3
+    assert table[1].split()[:5] == ["layer_norm", "tiny", "90.0", "120.0", "0.75"]
+    host.plot_host(rows, tmp_path / "host.png", "title")
+    assert (tmp_path / "host.png").stat().st_size > 0
 
 
 @pytest.mark.parametrize("flags", [[], ["--bias-sums"]])

@@ -178,6 +178,8 @@ def test_a_planned_launch_skips_its_arguments_function(enabled, monkeypatch):
     assert len(made) == 2  # compiled, then planned; the last two from the plan
     (compiled,) = jit.compiled.values()
     assert compiled.launches[-1][:3] == (4, 1, 1) and compiled.launches[-1][-1] == 128
+    (entry,) = [d for d in _launch.describe() if d["key"] == repr(("n", 64))]
+    assert entry["grid"] == (4, 1, 1) and entry["constexprs"] == {"BLOCK": "128"}
     monkeypatch.setattr(_launch, "CHECK_PLANS", True)
     kernel.planned(("n", 64), (buf, 64, 0.5), launch)  # the key holds: no error
     with pytest.raises(_launch.PlanMismatchError):  # BLOCK is not in the key
@@ -210,6 +212,8 @@ def test_fast_launch_matches_triton_on_gpu(monkeypatch):
         for got, want in zip(both(), reference):
             assert torch.equal(got, want)
     assert calls == []
+    planned = {d["kernel"]: d for d in _launch.describe()}
+    assert "BLOCK_M" in planned["_ln_fwd_kernel"]["constexprs"]
 
 
 class _Spy:

@@ -65,6 +65,12 @@ def _output_grads(fn: Callable, inputs: list) -> list[torch.Tensor]:
     return [torch.randn_like(o) for o in outs]
 
 
+def _fresh(inputs: list) -> list:
+    """The inputs as new leaves (same values), integer tensors as they are."""
+    return [t.detach().clone().requires_grad_(t.requires_grad) if t.is_floating_point() else t
+            for t in inputs]
+
+
 def plain_loop_us(run: Callable[[], None], calls: int) -> float:
     """Microseconds a call of `run`, issued back to back from Python, one sync at each end."""
     for _ in range(10):
@@ -107,11 +113,15 @@ def run_host(shapes: list[str], op_names: list[str] | None, calls: int) -> list[
         for name in op_names or list(cases):
             fused, twin, inputs = cases[name]
             for variant, fn in (("fused", fused), ("eager", twin)):
-                run = fwd_bwd(fn, inputs, _output_grads(fn, inputs))
+                grads = _output_grads(fn, inputs)
                 n = calls if shape == "tiny" else max(10, calls // 10)
+                # Each measurement on leaves of its own: autograd keeps a leaf's gradient
+                # node, with the stream it was made on, which a graph capture cannot use.
                 row = {"op": name, "shape": shape, "B": B, "T": T, "C": WIDTH,
-                       "variant": variant, "plain_us": plain_loop_us(run, n),
-                       "gpu_us": graph_us(run), "kernels": kernels_per_call(run)}
+                       "variant": variant,
+                       "gpu_us": graph_us(fwd_bwd(fn, _fresh(inputs), grads)),
+                       "plain_us": plain_loop_us(fwd_bwd(fn, _fresh(inputs), grads), n),
+                       "kernels": kernels_per_call(fwd_bwd(fn, _fresh(inputs), grads))}
                 rows.append(row)
                 print(f"{name:22s} {shape:5s} {variant:6s} plain {row['plain_us']:8.1f} us  "
                       f"GPU {row['gpu_us']:8.1f} us  kernels {row['kernels']}", flush=True)

@@ -5,6 +5,8 @@ train` runs it; parity.py and profile.py build their runs on train_setup."""
 
 from __future__ import annotations
 
+import contextlib
+import re
 import signal
 import time
 from pathlib import Path
@@ -33,6 +35,12 @@ def train_variants(ablation: bool, compile_mode: str = "default") -> dict[str, d
         "compile-sdpa": dict(kernels=none, eager_attention="sdpa", compile=compile_mode),
         "fused": dict(kernels=every, eager_attention="sdpa", compile=False),
         "compile-fused": dict(kernels=every, eager_attention="sdpa", compile=compile_mode),
+        # The fused model as a user's own loop runs it: backward on autograd's default
+        # (worker) thread, no heap freezing, torch's AdamW(fused=True) or fusedtrain's.
+        "fused-user-loop": dict(kernels=every, eager_attention="sdpa", compile=False,
+                                user_loop=True, optimizer="torch"),
+        "fused-user-loop-ours": dict(kernels=every, eager_attention="sdpa", compile=False,
+                                     user_loop=True),
     }
     # The whole step (forward, backward, AdamW) captured once as one CUDA graph and
     # replayed: the GPU work of `fused` without the host's per-launch cost. Last: in one
@@ -99,7 +107,8 @@ def train_setup(model_name: str, batch: int, seq: int, n_batches: int, variant: 
     autocast = device == "cuda" and variant.get("autocast", True)
     capture = "inductor" if graphs else "step" if whole_step_graph else "none"
     plan = adamw_plan(fused_ops=any(variant["kernels"].values()), on_cuda=device == "cuda",
-                      precision="bf16-mixed" if autocast else "32-true", capture=capture)
+                      precision="bf16-mixed" if autocast else "32-true", capture=capture,
+                      optimizer=variant.get("optimizer", "auto"))
     opt = build_optimizer(model.parameters(), plan, lr=1e-4)
     data = training_batches(data_source, n_batches, batch, seq, cfg.vocab_size, device, seed)
     # Autocast's weight-cast cache would hold tensors made during capture; graphs need it off.
@@ -134,22 +143,38 @@ def bench_train_variant(model_name: str, batch: int, seq: int, steps: int, warmu
     clock and power over those steps where nvidia-smi can tell (gpu_clocks), how busy
     the host's CPUs were meanwhile and how fast the host ran Python just before
     (host_load)."""
+    if variant.get("user_loop"):
+        with torch.autograd.set_multithreading_enabled(True):
+            return _bench_steps(model_name, batch, seq, steps, warmup, variant, device,
+                                data_source, seed, contextlib.nullcontext())
+    # The heap frozen as a long training run's would be after its warm-up.
+    return _bench_steps(model_name, batch, seq, steps, warmup, variant, device, data_source,
+                        seed, python_heap_frozen())
+
+
+def _bench_steps(model_name: str, batch: int, seq: int, steps: int, warmup: int,
+                 variant: dict, device: str, data_source: str, seed: int, heap) -> dict:
+    """bench_train_variant's measurement, with `heap` entered over the timed steps."""
     cuda = device == "cuda"
     if cuda:  # from before setup: a graphed variant allocates its step's memory at capture
         torch.cuda.reset_peak_memory_stats()
     model, step, _ = train_setup(model_name, batch, seq, warmup + steps, variant, device,
                                  data_source, seed)
-    losses, first_step_s = [], None
+    losses, first_step_s, attention = [], None, None
+    # SDPA's kernels named from the last warm-up step (a profiled step, not an extra one).
+    sdpa = cuda and variant["eager_attention"] == "sdpa" and not variant["kernels"]["attention"]
     for i in range(warmup):
         t_step = time.perf_counter()
-        losses.append(step(i))
+        if sdpa and i == warmup - 1:
+            attention = sdpa_kernels(lambda: losses.append(step(i)))
+        else:
+            losses.append(step(i))
         if i == 0:  # compilation and autotuning happen here
             if cuda:
                 torch.cuda.synchronize()
             first_step_s = time.perf_counter() - t_step
     python_ns = python_speed_ns()  # how fast this host runs Python, just before the steps
-    # The heap frozen as a long training run's would be after its warm-up.
-    with python_heap_frozen(), ClockSampler() as clocks, HostLoad() as host:
+    with heap, ClockSampler() as clocks, HostLoad() as host:
         if cuda:
             torch.cuda.synchronize()
             events = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
@@ -175,12 +200,27 @@ def bench_train_variant(model_name: str, batch: int, seq: int, steps: int, warmu
            "step_ms_p90": times_t.quantile(0.9).item(), "step_ms": times,
            "first_step_s": first_step_s, "final_loss": losses[-1], "losses": losses,
            "peak_mem_GiB": torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None,
-           **(clocks.summary or {}), **(host.summary or {}), "host_python_ns": python_ns}
+           **(clocks.summary or {}), **(host.summary or {}), "host_python_ns": python_ns,
+           **({"attention_kernels": attention} if attention else {})}
     known = peak_flops() if cuda else None
     if known is not None:
         out["mfu"] = model.flops_per_token(seq) * tokens_per_s / known[1]
         out["peak_flops"] = known[1]
     return out
+
+
+def sdpa_kernels(run) -> list[str]:
+    """The attention kernels run() launches, by the profiler's names: what SDPA really ran
+    (its default on the H200 with torch 2.11 is cuDNN's, also under torch.compile), for
+    the benchmark's peer to be named by it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    names = {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA}
+    return sorted(n[:90] for n in names
+                  if re.search(r"sdpa|flash|fmha|attention|cudnn", n, re.IGNORECASE))
 
 
 class _TimeLimit:
@@ -300,6 +340,8 @@ def train_table(results: dict) -> str:
                      f"{'-' if mem is None else f'{mem:.2f}':>10s}"
                      f"{'-' if mhz is None else f'{mhz:.0f}':>6s}{cpus:>10s}{py:>7s}"
                      f"  {by_rate} ({by_median})")
+    lines += [f"{name}: SDPA ran {', '.join(r['attention_kernels'])}"
+              for name, r in results.items() if r.get("attention_kernels")]
     return "\n".join(lines)
 
 

@@ -28,6 +28,7 @@ launch options are).
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 
@@ -43,6 +44,10 @@ ENABLED = not INTERPRET and os.environ.get("FUSEDTRAIN_FAST_LAUNCH", "1") != "0"
 # FUSEDTRAIN_CHECK_PLANS=1 checks every planned launch against triton's own binding (the
 # GPU tests set it): a key that misses something a launch depends on fails loudly.
 CHECK_PLANS = os.environ.get("FUSEDTRAIN_CHECK_PLANS", "0") == "1"
+
+
+log = logging.getLogger("fusedtrain")
+_KERNELS: list[FastLaunch] = []  # every wrapped kernel, for describe()
 
 
 class PlanMismatchError(AssertionError):
@@ -67,6 +72,7 @@ class FastLaunch:
     compiled kernel on repeated specialisations. Other attributes are the kernel's."""
 
     def __init__(self, kernel):
+        _KERNELS.append(self)
         self.fn = kernel  # the wrapped kernel, as Autotuner.fn is its JITFunction
         self._tuner = kernel if isinstance(kernel, Autotuner) else None
         self._jit = kernel.fn if self._tuner else kernel
@@ -138,6 +144,8 @@ class FastLaunch:
         self._plans[(device, plan_key)] = (
             kernel, grid, tensors, [i for i in tensors if args[i].data_ptr() & 15],
             values[len(args):], getattr(kernel.metadata, "global_scratch_size", 0) > 0)
+        log.info("launch plan: %s", _described(self, (device, plan_key), self._plans[
+            (device, plan_key)], list(bound)[len(args):]))
 
     def _launch_planned(self, key, grid, args: tuple) -> bool:
         """Launch from the plan under (device, key), if there is one that fits the call's
@@ -202,6 +210,29 @@ class FastLaunch:
         key = [named[k] for k in tuner.keys if k in named]
         key += [str(v.dtype) for v in named.values() if hasattr(v, "dtype")]
         return tuner.cache.get(tuple(key))
+
+
+def _described(launcher: FastLaunch, key, plan, names: list[str]) -> dict:
+    kernel, grid, _, misaligned, tail, _ = plan
+    meta = kernel.metadata
+    return {"kernel": getattr(launcher._jit, "__name__", type(launcher._jit).__name__),
+            "device": key[0], "key": repr(key[1]), "grid": grid,
+            "constexprs": dict(zip(names, map(repr, tail))),
+            "num_warps": getattr(meta, "num_warps", None),
+            "num_stages": getattr(meta, "num_stages", None),
+            "misaligned_args": misaligned}
+
+
+def describe() -> list[dict]:
+    """Every launch planned in this process: the kernel, its key (shapes, dtypes, flags),
+    grid, constexprs (tiles) and warps; one entry per (kernel, device, key)."""
+    out = []
+    for launcher in _KERNELS:
+        names = getattr(launcher._jit, "arg_names", [])
+        for key, plan in launcher._plans.items():
+            n_args = len(names) - len(plan[4])
+            out.append(_described(launcher, key, plan, names[n_args:]))
+    return out
 
 
 def _grid3(grid) -> tuple[int, int, int]:

@@ -1,6 +1,7 @@
 """The public fused ops (see docs/design.md): each a differentiable op over Triton kernels,
 with a twin of the same name and semantics in `fusedtrain.eager`."""
 
+from fusedtrain.kernels._launch import describe
 from fusedtrain.ops import published_cast as _published_cast  # noqa: F401 (registers the op)
 from fusedtrain.ops._registry import register_inductor_fallbacks
 from fusedtrain.ops.attention import flash_attention
@@ -18,7 +19,7 @@ from fusedtrain.ops.qkv import qkv_projection
 from fusedtrain.ops.qkv_attention import qkv_attention
 
 __all__ = [
-    "add_layer_norm", "cross_entropy", "embedding", "flash_attention", "fused_mlp",
+    "add_layer_norm", "cross_entropy", "describe", "embedding", "flash_attention", "fused_mlp",
     "gpt_embedding", "layer_norm", "layer_norm_gelu", "layer_norm_stream", "linear",
     "linear_cross_entropy", "linear_gelu", "qkv_attention", "qkv_projection",
     "register_inductor_fallbacks",

@@ -103,7 +103,7 @@ class AdamWPlan(NamedTuple):
 
 
 def adamw_plan(*, fused_ops: bool, on_cuda: bool, precision: str, sharded: bool = False,
-               capture: str = "none") -> AdamWPlan:
+               capture: str = "none", optimizer: str = "auto") -> AdamWPlan:
     """The optimizer decision, made here for the Lightning loop and the benchmarks alike.
     `precision`: Lightning's name ("bf16-mixed", "16-mixed", "32-true", ...); `capture`:
     what a CUDA graph holds, "none", "loss" (the loss's forward and backward: the Lightning
@@ -118,12 +118,15 @@ def adamw_plan(*, fused_ops: bool, on_cuda: bool, precision: str, sharded: bool 
     - It also writes bf16 weight copies for the ops to read (fusedtrain.weight_copies)
       under bf16 autocast, unless a graph that does not hold the optimizer holds the ops:
       a replay reads the addresses captured, and the copies would go stale.
-    - Otherwise torch's AdamW, fused on CUDA (not under fp16 loss scaling), capturable
-      when the whole step is a graph."""
+    - Otherwise, or with optimizer="torch" (a user's own loop, as a benchmark runs it),
+      torch's AdamW, fused on CUDA (not under fp16 loss scaling), capturable when the
+      whole step is a graph."""
     if capture not in CAPTURES:
         raise ValueError(f"capture must be one of {CAPTURES}, got {capture!r}")
+    if optimizer not in ("auto", "torch"):
+        raise ValueError(f"optimizer must be 'auto' or 'torch', got {optimizer!r}")
     torch_fused = on_cuda and precision != "16-mixed"
-    ours = fused_ops and torch_fused and not sharded
+    ours = fused_ops and torch_fused and not sharded and optimizer == "auto"
     copies = ours and precision == "bf16-mixed" and capture in ("none", "step")
     return AdamWPlan(ours, torch.bfloat16 if copies else None, torch_fused,
                      capturable=capture == "step")
