@@ -105,8 +105,10 @@ def kernels_per_call(run: Callable[[], None]) -> int:
 
 
 def run_host(shapes: list[str], op_names: list[str] | None, calls: int) -> list[dict]:
-    """One row per (op, shape, variant): plain_us, gpu_us, kernels."""
-    rows = []
+    """One row per (op, shape, variant): plain_us, gpu_us, kernels. Every plain loop runs
+    before any graph is captured: plain loops timed after captures in the same process
+    ran up to 2.4x slower on an H200 (docs/journal.md)."""
+    rows, runs = [], []
     for shape in shapes:
         B, T = SHAPES[shape]
         cases = op_cases(B, T)
@@ -115,17 +117,20 @@ def run_host(shapes: list[str], op_names: list[str] | None, calls: int) -> list[
             for variant, fn in (("fused", fused), ("eager", twin)):
                 grads = _output_grads(fn, inputs)
                 n = calls if shape == "tiny" else max(10, calls // 10)
-                # Each measurement on leaves of its own: autograd keeps a leaf's gradient
+                # Leaves of its own for each measurement: autograd keeps a leaf's gradient
                 # node, with the stream it was made on, which a graph capture cannot use.
                 row = {"op": name, "shape": shape, "B": B, "T": T, "C": WIDTH,
                        "variant": variant,
-                       "gpu_us": graph_us(fwd_bwd(fn, _fresh(inputs), grads)),
                        "plain_us": plain_loop_us(fwd_bwd(fn, _fresh(inputs), grads), n),
                        "kernels": kernels_per_call(fwd_bwd(fn, _fresh(inputs), grads))}
                 rows.append(row)
+                runs.append(fwd_bwd(fn, _fresh(inputs), grads))
                 print(f"{name:22s} {shape:5s} {variant:6s} plain {row['plain_us']:8.1f} us  "
-                      f"GPU {row['gpu_us']:8.1f} us  kernels {row['kernels']}", flush=True)
-            torch.cuda.empty_cache()
+                      f"kernels {row['kernels']}", flush=True)
+    for row, run in zip(rows, runs):
+        row["gpu_us"] = graph_us(run)
+        print(f"{row['op']:22s} {row['shape']:5s} {row['variant']:6s} GPU "
+              f"{row['gpu_us']:8.1f} us", flush=True)
     return rows
 
 
