@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +32,7 @@ class RunConfig:
     tensorboard: bool = False
     cuda_graph: bool = False
     autograd_threads: bool = False
+    checkpoint_every_n_steps: int | None = None
 
 
 def _build(cls, section: str, values: dict):
@@ -125,11 +127,25 @@ def build_run_config(cfg: DictConfig) -> RunConfig:
                                               or not torch.cuda.is_available()):
         raise ConfigError("trainer.strategy=fsdp needs CUDA GPUs (Lightning's FSDP is "
                           "GPU-only); on CPUs use trainer=ddp trainer.accelerator=cpu")
+    tensorboard = _flag(c, "tensorboard")
+    if tensorboard and not any(importlib.util.find_spec(m) for m in ("tensorboard",
+                                                                      "tensorboardX")):
+        raise ConfigError("tensorboard=true needs the tensorboard package, which is not "
+                          "installed: pip install -e '.[tb]'")
+    every = (c.get("checkpoint") or {}).get("every_n_steps")
+    if every is not None and not (isinstance(every, int) and not isinstance(every, bool)
+                                  and every > 0):
+        raise ConfigError(f"checkpoint.every_n_steps must be a positive integer or null, "
+                          f"got {every!r}")
+    unknown = sorted(set(c.get("checkpoint") or {}) - {"every_n_steps"})
+    if unknown:
+        raise ConfigError(f"unknown setting(s) {', '.join('checkpoint.' + k for k in unknown)}")
     skip = c.get("throughput_skip_steps", 5)
     if not isinstance(skip, int) or skip < 0:
         raise ConfigError(f"throughput_skip_steps must be a non-negative integer, got {skip!r}")
     return RunConfig(model=model, data=data, optim=optim, trainer=trainer, seed=int(c["seed"]),
                      compile=compile, ckpt_path=c.get("ckpt_path"),
                      throughput_skip_steps=skip, deterministic=_flag(c, "deterministic"),
-                     tensorboard=_flag(c, "tensorboard"), cuda_graph=cuda_graph,
-                     autograd_threads=_flag(c, "autograd_threads"))
+                     tensorboard=tensorboard, cuda_graph=cuda_graph,
+                     autograd_threads=_flag(c, "autograd_threads"),
+                     checkpoint_every_n_steps=every)

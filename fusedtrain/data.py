@@ -51,6 +51,7 @@ class DataConfig:
     num_workers: int = 0
     num_proc: int | None = None  # processes for tokenizing; None = min(4, cpus)
     cache_dir: str = "~/.cache/fusedtrain"
+    allow_binary: bool = False  # take text files that look binary (NUL bytes, >1% undecodable)
 
     def __post_init__(self) -> None:
         if self.source not in SOURCES:
@@ -159,6 +160,8 @@ def corpus_files(cfg: DataConfig) -> list[Path]:
 def _cache_key(cfg: DataConfig, tok) -> str:
     h = hashlib.sha256()
     h.update(f"{cfg.source}|{tok.name}|{getattr(tok, 'bpe_file', '')}".encode())
+    if cfg.allow_binary:  # a cache of files taken as text only with it
+        h.update(b"|allow_binary")
     if cfg.source in ("stdlib", "text"):
         for f in corpus_files(cfg):
             st = f.stat()
@@ -182,8 +185,26 @@ def _load_texts(cfg: DataConfig):
                 f"data.text_column={cfg.text_column!r} not in {cfg.name!r}: {ds.column_names}"
             )
         return ds.select_columns([cfg.text_column]).rename_column(cfg.text_column, "text")
-    texts = [f.read_text(encoding="utf-8", errors="replace") for f in corpus_files(cfg)]
+    texts = [_read_text(f, cfg) for f in corpus_files(cfg)]
     return datasets.Dataset.from_dict({"text": texts})
+
+
+BINARY_SHARE = 0.01  # undecodable characters past this share make a file "not text"
+
+
+def _read_text(path: Path, cfg: DataConfig) -> str:
+    """A corpus file as UTF-8 text (undecodable bytes as U+FFFD); a user's file
+    (data=text) that holds NUL bytes or more than 1% undecodable characters is refused
+    (DataError naming it) unless data.allow_binary=true."""
+    raw = path.read_bytes()
+    text = raw.decode("utf-8", errors="replace")
+    if cfg.source == "text" and not cfg.allow_binary:
+        bad = text.count("\ufffd")
+        if b"\0" in raw or bad > BINARY_SHARE * max(1, len(text)):
+            why = "NUL bytes" if b"\0" in raw else f"{bad / len(text):.0%} undecodable"
+            raise DataError(f"data.files: {str(path)!r} is not text ({why}); "
+                            "data.allow_binary=true takes it anyway")
+    return text
 
 
 def build_token_cache(cfg: DataConfig) -> Path:
@@ -324,15 +345,29 @@ class TokenDataModule(L.LightningDataModule):
         if self.cfg.source != "synthetic":
             build_token_cache(self.cfg)
 
+    def check_size(self) -> None:
+        """Before any training: the corpus (tokenized and cached now, if not yet) holds one
+        training and one validation window of seq_len + 1 tokens, or a ValueError says
+        how many it has and names model.block_size and the corpus."""
+        n = len(load_tokens(self.cfg, self.vocab_size, self.seed))
+        if n - self._val_tokens(n) < self.seq_len + 2:
+            where = (", ".join(self.cfg.files) if self.cfg.source == "text"
+                     else f"data.source={self.cfg.source}")
+            raise ValueError(
+                f"the corpus ({where}) has {n} tokens, too few for a training and a "
+                f"validation window of model.block_size={self.seq_len} (it needs at least "
+                f"{self.seq_len + 2 + self._val_tokens(n)}); use a larger corpus or a "
+                "smaller model.block_size")
+
+    def _val_tokens(self, n: int) -> int:
+        return max(int(n * self.cfg.val_fraction), self.seq_len + 2)
+
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:
             return
         tokens = load_tokens(self.cfg, self.vocab_size, self.seed)
-        n_val = max(int(len(tokens) * self.cfg.val_fraction), self.seq_len + 2)
-        if len(tokens) - n_val < self.seq_len + 2:
-            raise ValueError(
-                f"corpus of {len(tokens)} tokens is too small for sequence length {self.seq_len}"
-            )
+        self.check_size()
+        n_val = self._val_tokens(len(tokens))
         self.train_set = RandomWindows(tokens[:-n_val], self.seq_len, self.seed,
                                        self.max_steps * self.cfg.batch_size * self._ranks()[1])
         self.val_set = RandomWindows(tokens[-n_val:], self.seq_len, self.seed + 1,

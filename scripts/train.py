@@ -12,7 +12,6 @@ import lightning as L
 import torch
 from hydra.core.hydra_config import HydraConfig
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.loggers import CSVLogger
 from omegaconf import DictConfig, OmegaConf
 
 from fusedtrain.config import ConfigError, build_run_config
@@ -26,25 +25,34 @@ from fusedtrain.training.callbacks import (
 )
 from fusedtrain.training.checkpoint import CheckpointError, SafeCheckpointIO, load_checkpoint
 from fusedtrain.training.lightning_module import GPTModule, NonFiniteLossError
+from fusedtrain.training.logs import LogProgress, ResumableCSVLogger
 
 log = logging.getLogger("fusedtrain")
 
 
 def resolve_ckpt(ckpt_path: str | None, run_dir: Path) -> tuple[str, dict] | None:
-    """'last' -> this run dir's last.ckpt, else the newest last.ckpt under outputs/.
-    The checkpoint is verified (hash, safe load) before any training starts; a bad
-    'last' falls back to the newest good checkpoint beside it, named in the log.
-    Returns (path, loaded checkpoint)."""
+    """'last' -> this run dir's checkpoints/last.ckpt (a ConfigError naming the dir if there
+    is none); 'latest' -> the newest last.ckpt under outputs/, the run it belongs to named
+    in the log; else a path. The checkpoint is verified (hash, safe load) before any
+    training starts; a bad last.ckpt falls back to the newest good checkpoint beside it,
+    named in the log. Returns (path, loaded checkpoint)."""
     if ckpt_path is None:
         return None
-    if ckpt_path != "last":
+    if ckpt_path not in ("last", "latest"):
         return ckpt_path, load_checkpoint(ckpt_path)  # raises CheckpointError naming it
-    here = run_dir / "checkpoints" / "last.ckpt"
-    found = [here] if here.is_file() else sorted(
-        Path("outputs").glob("**/checkpoints/last.ckpt"), key=lambda p: p.stat().st_mtime)
-    if not found:
-        raise ConfigError("ckpt_path=last: no last.ckpt in this run dir or under outputs/")
-    last = found[-1]
+    if ckpt_path == "last":
+        last = run_dir / "checkpoints" / "last.ckpt"
+        if not last.is_file():
+            raise ConfigError(f"ckpt_path=last: no checkpoints/last.ckpt in this run dir "
+                              f"({run_dir}); ckpt_path=latest resumes the newest run under "
+                              "outputs/, ckpt_path=PATH a given checkpoint")
+    else:
+        found = sorted(Path("outputs").glob("**/checkpoints/last.ckpt"),
+                       key=lambda p: p.stat().st_mtime)
+        if not found:
+            raise ConfigError("ckpt_path=latest: no checkpoints/last.ckpt under outputs/")
+        last = found[-1]
+        log.info("ckpt_path=latest: resuming the run in %s", last.parent.parent)
     candidates = [last] + sorted((p for p in last.parent.glob("*.ckpt") if p != last),
                                  key=lambda p: p.stat().st_mtime, reverse=True)
     for cand in candidates:
@@ -56,7 +64,7 @@ def resolve_ckpt(ckpt_path: str | None, run_dir: Path) -> tuple[str, dict] | Non
         if cand != last:
             log.warning("resuming from %s instead", cand)
         return str(cand), loaded
-    raise CheckpointError(f"ckpt_path=last: no loadable checkpoint in {last.parent}")
+    raise CheckpointError(f"ckpt_path={ckpt_path}: no loadable checkpoint in {last.parent}")
 
 
 ARCHITECTURE = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "bias")
@@ -118,27 +126,42 @@ def train(cfg: DictConfig) -> dict:
 
     datamodule = TokenDataModule(run.data, run.model.block_size, run.model.vocab_size,
                                  run.seed, max_steps)
+    try:  # before any training: the corpus can be read and holds the windows
+        datamodule.check_size()
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    resume = resolve_ckpt(run.ckpt_path, run_dir)
+    resume_step = None
+    if resume is not None:
+        check_resumable(resume[0], resume[1], run.model)
+        resume_step = int(resume[1].get("global_step", 0))
+        log.info("resuming from %s at step %d", resume[0], resume_step)
     module = GPTModule(run.model, run.optim, max_steps, compile=run.compile,
                        cuda_graph=run.cuda_graph, autograd_threads=run.autograd_threads)
     throughput = ThroughputMonitor(skip_steps=run.throughput_skip_steps)
     ckpt_dir = run_dir / "checkpoints"
-    checkpoints = ModelCheckpoint(dirpath=str(ckpt_dir), filename="step{step}",
-                                  auto_insert_metric_name=False, save_last=True,
-                                  monitor="val/loss", save_top_k=1)
-    resume = resolve_ckpt(run.ckpt_path, run_dir)
-    if resume is not None:
-        check_resumable(resume[0], resume[1], run.model)
+    checkpoints = [ModelCheckpoint(dirpath=str(ckpt_dir), filename="step{step}",
+                                   auto_insert_metric_name=False, save_last=True,
+                                   monitor="val/loss", save_top_k=1)]
+    if run.checkpoint_every_n_steps:
+        checkpoints.append(ModelCheckpoint(dirpath=str(ckpt_dir), save_last=True, save_top_k=0,
+                                           every_n_train_steps=run.checkpoint_every_n_steps))
     ckpt_path = resume[0] if resume is not None else None
-    loggers = [CSVLogger(run_dir, name="", version="")]
+    # Resuming in this run dir, the loggers keep what the earlier run logged before the
+    # checkpoint's step and drop its later rows (the resumed run logs those steps again).
+    same_dir = resume is not None and Path(resume[0]).resolve().is_relative_to(run_dir.resolve())
+    loggers = [ResumableCSVLogger(str(run_dir), resume_step if same_dir else None)]
     if run.tensorboard:
         from lightning.pytorch.loggers import TensorBoardLogger
 
-        loggers.append(TensorBoardLogger(run_dir, name="tensorboard", version=""))
-    callbacks = [throughput, checkpoints, SaveOnInterrupt(str(ckpt_dir / "last.ckpt")),
-                 FreezeHeapAfterWarmup(after=run.throughput_skip_steps)]
+        loggers.append(TensorBoardLogger(run_dir, name="tensorboard", version="",
+                                         **({"purge_step": resume_step} if same_dir else {})))
+    log_every = trainer_kwargs.get("log_every_n_steps", 10)
+    callbacks = [throughput, *checkpoints, SaveOnInterrupt(str(ckpt_dir / "last.ckpt")),
+                 FreezeHeapAfterWarmup(after=run.throughput_skip_steps),
+                 LogProgress(log_every, throughput)]
     if trainer_kwargs.get("enable_progress_bar", True):
-        callbacks.append(ProgressBar(throughput,
-                                     refresh_rate=trainer_kwargs.get("log_every_n_steps", 10)))
+        callbacks.append(ProgressBar(throughput, refresh_rate=log_every))
     trainer = L.Trainer(
         default_root_dir=run_dir, logger=loggers, callbacks=callbacks,
         plugins=[SafeCheckpointIO()], use_distributed_sampler=False,  # SkipSampler shards
@@ -162,13 +185,14 @@ def train(cfg: DictConfig) -> dict:
     if not trainer.is_global_zero:
         return summary
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-    print(f"done: {summary['steps']} steps, train loss {fmt(summary['train_loss'])}, "
-          f"val loss {fmt(summary['val_loss'])}, {fmt(summary['tokens_per_s'])} tokens/s"
-          + (f" ({fmt(summary['tokens_per_s'] / trainer.world_size)} per device on "
-             f"{trainer.world_size})" if trainer.world_size > 1 and summary["tokens_per_s"]
-             else "")
-          + (f", MFU {summary['mfu']:.3f}" if summary["mfu"] is not None else "")
-          + f", outputs in {run_dir}")
+    line = (f"done: {summary['steps']} steps, train loss {fmt(summary['train_loss'])}, "
+            f"val loss {fmt(summary['val_loss'])}, {fmt(summary['tokens_per_s'])} tokens/s"
+            + (f" ({fmt(summary['tokens_per_s'] / trainer.world_size)} per device on "
+               f"{trainer.world_size})" if trainer.world_size > 1 and summary["tokens_per_s"]
+               else "")
+            + (f", MFU {summary['mfu']:.3f}" if summary["mfu"] is not None else "")
+            + f", outputs in {run_dir}")
+    log.info("%s", line)  # the console and train.log
     return summary
 
 
@@ -187,5 +211,30 @@ def main(cfg: DictConfig) -> None:
         sys.exit(4)
 
 
+def composition_error(argv: list[str]) -> str | None:
+    """What Hydra's composition of this command line's overrides raises (an unknown key, a
+    group option that does not exist, a malformed override), as one line; None if it
+    composes, or if a Hydra flag (--cfg, -m, --help, ...) asks for Hydra's own handling.
+    Hydra itself would print it and exit 1, where this script's bad settings exit 2."""
+    if any(a.startswith("-") for a in argv):
+        return None
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            compose("config", overrides=argv, return_hydra_config=True)
+    except (HydraException, OmegaConfBaseException, ValueError) as e:
+        return " ".join(str(e).split())
+    return None
+
+
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+
 if __name__ == "__main__":
+    error = composition_error(sys.argv[1:])
+    if error is not None:
+        print(f"config error: {error}", file=sys.stderr)
+        sys.exit(2)
     main()

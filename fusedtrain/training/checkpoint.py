@@ -67,9 +67,30 @@ def save_checkpoint(obj: dict, path: str | Path) -> None:
     _atomic_write(_sidecar(path), lambda f: f.write(f"{digest}  {path.name}\n".encode()))
 
 
+_WARNED: set[Path] = set()  # checkpoints already warned about (a run loads one twice)
+
+
+def _check_members(path: Path) -> None:
+    """Every member of a torch.save zip archive against the CRC-32 the archive stores for
+    it (torch writes one per member): a flipped byte anywhere in the data is caught before
+    anything is unpickled. Raises CheckpointError naming the file and the member."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError) as e:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} is unreadable (truncated or corrupted): {e}") from e
+    except zipfile.error as e:  # a header that testzip cannot even read
+        raise CheckpointError(f"checkpoint {str(path)!r} is corrupted: {e}") from e
+    if bad is not None:
+        raise CheckpointError(f"checkpoint {str(path)!r} is corrupted: member {bad!r} does "
+                              "not match its CRC-32")
+
+
 def load_checkpoint(path: str | Path, map_location: Any = "cpu") -> dict:
-    """Verify the content hash, then torch.load(weights_only=True): tensors, containers and
-    primitives only, no code runs. Raises CheckpointError naming the file otherwise."""
+    """Verify the content hash (the SHA-256 sidecar, or without one each archive member's
+    CRC-32), then torch.load(weights_only=True): tensors, containers and primitives only,
+    no code runs. Raises CheckpointError naming the file (and member) otherwise."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"no checkpoint at {str(path)!r}")
@@ -81,8 +102,11 @@ def load_checkpoint(path: str | Path, map_location: Any = "cpu") -> dict:
                 f"checkpoint {str(path)!r} is corrupted or truncated: its SHA-256 does not "
                 f"match {sidecar.name}")
     else:
-        log.warning("checkpoint %s has no %s sidecar: loading without an integrity check",
-                    path, sidecar.name)
+        _check_members(path)
+        if path.resolve() not in _WARNED:
+            _WARNED.add(path.resolve())
+            log.warning("checkpoint %s has no %s sidecar: checked against the CRC-32 of each "
+                        "of its archive's members instead", path, sidecar.name)
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
