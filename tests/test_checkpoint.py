@@ -45,6 +45,18 @@ def _patched_train(patch: str) -> list[str]:
     """)]
 
 
+def killed_at(step: int) -> list[str]:
+    """A train.py run that SIGKILLs itself at the end of the training step `step`."""
+    return _patched_train(f"""
+        import os, signal
+        from fusedtrain.training.lightning_module import GPTModule
+        def die(self, outputs, batch, batch_idx):
+            if self.global_step >= {step}:
+                os.kill(os.getpid(), signal.SIGKILL)
+        GPTModule.on_train_batch_end = die
+    """)
+
+
 class _Evil:
     def __init__(self, marker):
         self.marker = marker
@@ -117,15 +129,7 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run(tmp_path):
     full, killed = tmp_path / "full", tmp_path / "killed"
     assert _run(common + [f"hydra.run.dir={full}"], tmp_path).returncode == 0
     # Kill the second run with SIGKILL right after step 17 (checkpoint of step 15 on disk).
-    killer = _patched_train("""
-        import os, signal
-        from fusedtrain.training.lightning_module import GPTModule
-        def die(self, outputs, batch, batch_idx):
-            if self.global_step >= 17:
-                os.kill(os.getpid(), signal.SIGKILL)
-        GPTModule.on_train_batch_end = die
-    """)
-    r = _run(common + [f"hydra.run.dir={killed}"], tmp_path, prefix=killer)
+    r = _run(common + [f"hydra.run.dir={killed}"], tmp_path, prefix=killed_at(17))
     assert r.returncode == -9, r.stderr[-2000:]
     r = _run(common + [f"hydra.run.dir={killed}", "ckpt_path=last"], tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]

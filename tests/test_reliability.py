@@ -10,7 +10,7 @@ import zipfile
 
 import torch
 from conftest import ROOT
-from test_checkpoint import _patched_train, _run
+from test_checkpoint import _patched_train, _run, killed_at
 
 from fusedtrain.training.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 
@@ -32,15 +32,8 @@ def test_a_resumed_run_keeps_the_metrics_logged_before_its_checkpoint(tmp_path):
               "trainer.limit_val_batches=1", "trainer.log_every_n_steps=1"]
     full, killed = tmp_path / "full", tmp_path / "killed"
     assert _run(common + [f"hydra.run.dir={full}"], tmp_path).returncode == 0
-    killer = _patched_train("""
-        import os, signal
-        from fusedtrain.training.lightning_module import GPTModule
-        def die(self, outputs, batch, batch_idx):
-            if self.global_step >= 8:
-                os.kill(os.getpid(), signal.SIGKILL)
-        GPTModule.on_train_batch_end = die
-    """)
-    assert _run(common + [f"hydra.run.dir={killed}"], tmp_path, prefix=killer).returncode == -9
+    r = _run(common + [f"hydra.run.dir={killed}"], tmp_path, prefix=killed_at(8))
+    assert r.returncode == -9
     r = _run(common + [f"hydra.run.dir={killed}", "ckpt_path=last"], tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     steps = [s for s, _ in _rows(killed, "train/loss")]
@@ -174,17 +167,9 @@ def test_train_log_has_progress_lines_and_the_summary_and_checkpoints_every_n_st
     log = (tmp_path / "a" / "train.log").read_text()
     assert "step 2: loss" in log and "step 4: loss" in log and "tokens/s" in log
     assert "done: 6 steps" in log
-    killer = _patched_train("""
-        import os, signal
-        from fusedtrain.training.lightning_module import GPTModule
-        def die(self, outputs, batch, batch_idx):
-            if self.global_step >= 5:
-                os.kill(os.getpid(), signal.SIGKILL)
-        GPTModule.on_train_batch_end = die
-    """)
     r = _run(["trainer.max_steps=20", "trainer.val_check_interval=100",
               "checkpoint.every_n_steps=2", f"hydra.run.dir={tmp_path / 'b'}"], tmp_path,
-             prefix=killer)
+             prefix=killed_at(5))
     assert r.returncode == -9
     assert load_checkpoint(tmp_path / "b" / "checkpoints" / "last.ckpt")["global_step"] == 4
 
