@@ -233,8 +233,25 @@ class GPT(nn.Module):
         from fusedtrain.training.checkpoint import load_safetensors
 
         state, cfg = load_safetensors(path)
-        if kernels is not None:
-            cfg["kernels"] = kernels
+        return cls._built(state, cfg, kernels, eager_attention)
+
+    @classmethod
+    def from_hf(cls, source, kernels: dict[str, bool] | None = None,
+                eager_attention: str | None = None) -> GPT:
+        """A GPT with the weights of a transformers GPT2LMHeadModel, or of a local
+        directory that GPT2LMHeadModel.from_pretrained loads (fusedtrain.hf), built fused
+        or eager (`kernels`; default all eager). Its vocabulary is the model's own."""
+        from fusedtrain.hf import from_hf
+
+        state, cfg = from_hf(source)
+        return cls._built(state, cfg, kernels, eager_attention)
+
+    @classmethod
+    def _built(cls, state: dict, cfg: dict, kernels: dict[str, bool] | None,
+               eager_attention: str | None) -> GPT:
+        """A GPT of config `cfg` holding `state`: the kernels given (none: all eager, not
+        those the weights were trained with) and eager_attention where given."""
+        cfg = {**cfg, "kernels": dict(kernels or {})}
         if eager_attention is not None:
             cfg["eager_attention"] = eager_attention
         model = cls(GPTConfig(**cfg))
