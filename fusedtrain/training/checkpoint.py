@@ -102,11 +102,16 @@ def load_checkpoint(path: str | Path, map_location: Any = "cpu") -> dict:
                 f"checkpoint {str(path)!r} is corrupted or truncated: its SHA-256 does not "
                 f"match {sidecar.name}")
     else:
-        _check_members(path)
+        # torch.save's zip archive stores a CRC-32 per member; a legacy (non-zip) file has
+        # none, and only the safe unpickling below stands between it and the run.
+        archive = zipfile.is_zipfile(path)
+        if archive:
+            _check_members(path)
         if path.resolve() not in _WARNED:
             _WARNED.add(path.resolve())
-            log.warning("checkpoint %s has no %s sidecar: checked against the CRC-32 of each "
-                        "of its archive's members instead", path, sidecar.name)
+            log.warning("checkpoint %s has no %s sidecar: %s", path, sidecar.name,
+                        "checked against the CRC-32 of each of its archive's members instead"
+                        if archive else "not a zip archive either, so loaded unchecked")
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
