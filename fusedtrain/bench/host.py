@@ -3,8 +3,8 @@
 Per op and shape, in one process, bf16 on the GPU: the plain-loop time of one forward +
 backward (host and GPU together, as a user's loop runs it: `torch.autograd.grad` with
 autograd's default threads), which at the tiny shape, where the GPU idles, is the host's
-cost; the GPU time of the same call replayed as a CUDA graph; and how many kernels one
-call launches (torch.profiler's CUDA kernel events). Rows go to JSON, and a chart shows the
+cost; the GPU time of the same call replayed as a CUDA graph; and which kernels one
+call launches (torch.profiler's CUDA kernel events, by name). Rows go to JSON, and a chart shows the
 host-bound times fused beside eager.
 """
 
@@ -90,8 +90,9 @@ def graph_us(run: Callable[[], None]) -> float:
     return triton.testing.do_bench_cudagraph(run, rep=50, return_mode="median") * 1e3
 
 
-def kernels_per_call(run: Callable[[], None]) -> int:
-    """CUDA kernels one call of `run` launches (memsets and copies not counted)."""
+def kernels_of_a_call(run: Callable[[], None]) -> list[str]:
+    """The CUDA kernels one call of `run` launches, by name, in launch order (memsets and
+    copies left out): what a count above the eager twin's is made of."""
     from torch.profiler import ProfilerActivity, profile
 
     run()
@@ -99,9 +100,9 @@ def kernels_per_call(run: Callable[[], None]) -> int:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         run()
         torch.cuda.synchronize()
-    return sum(1 for e in prof.events()
-               if e.device_type == torch.autograd.DeviceType.CUDA
-               and not e.name.startswith(("Memset", "Memcpy")))
+    return [e.name[:80] for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA
+            and not e.name.startswith(("Memset", "Memcpy"))]
 
 
 def run_host(shapes: list[str], op_names: list[str] | None, calls: int) -> list[dict]:
@@ -122,7 +123,8 @@ def run_host(shapes: list[str], op_names: list[str] | None, calls: int) -> list[
                 row = {"op": name, "shape": shape, "B": B, "T": T, "C": WIDTH,
                        "variant": variant,
                        "plain_us": plain_loop_us(fwd_bwd(fn, _fresh(inputs), grads), n),
-                       "kernels": kernels_per_call(fwd_bwd(fn, _fresh(inputs), grads))}
+                       "kernel_names": kernels_of_a_call(fwd_bwd(fn, _fresh(inputs), grads))}
+                row["kernels"] = len(row["kernel_names"])
                 rows.append(row)
                 runs.append(fwd_bwd(fn, _fresh(inputs), grads))
                 print(f"{name:22s} {shape:5s} {variant:6s} plain {row['plain_us']:8.1f} us  "
