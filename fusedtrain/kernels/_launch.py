@@ -212,20 +212,47 @@ class FastLaunch:
         return tuner.cache.get(tuple(key))
 
 
+# Why a launcher took a kernel of each kind (the kernels' names say their kind).
+PATHS = {
+    "_ws_kernel": "Gluon warp-specialised GEMM: an sm_90 GPU, triton 3.6, 16-bit operands "
+                  "of one dtype, each TMA-aligned (kernels/_tma.gluon_ok)",
+    "_tma_kernel": "persistent GEMM loading through TMA: 16-bit TMA-aligned operands on "
+                   "Hopper (kernels/_tma.tma_ok)",
+    "_smem_kernel": "rows held in shared memory (Gluon): an sm_90 GPU, triton 3.6, "
+                    "contiguous logits",
+}
+
+
+def _path(name: str, constexprs: dict) -> str:
+    for suffix, why in PATHS.items():
+        if name.endswith(suffix):
+            return why
+    if "TMA" in constexprs:
+        return ("loads through TMA: 16-bit TMA-aligned operands on Hopper"
+                if constexprs["TMA"] == "True" else "pointer loads: operands TMA cannot read")
+    if name.startswith(("_linear_gelu", "_matmul", "_qkv")):
+        return ("pointer GEMM: operands the TMA and Gluon kernels cannot take (strided, "
+                "unaligned, fp32 or fp64, or no Hopper GPU)")
+    return "the family's one Triton kernel"
+
+
 def _described(launcher: FastLaunch, key, plan, names: list[str]) -> dict:
     kernel, grid, _, misaligned, tail, _ = plan
     meta = kernel.metadata
-    return {"kernel": getattr(launcher._jit, "__name__", type(launcher._jit).__name__),
+    name = getattr(launcher._jit, "__name__", type(launcher._jit).__name__)
+    constexprs = dict(zip(names, map(repr, tail)))
+    return {"kernel": name, "why": _path(name, constexprs),
             "device": key[0], "key": repr(key[1]), "grid": grid,
-            "constexprs": dict(zip(names, map(repr, tail))),
+            "constexprs": constexprs,
             "num_warps": getattr(meta, "num_warps", None),
             "num_stages": getattr(meta, "num_stages", None),
             "misaligned_args": misaligned}
 
 
 def describe() -> list[dict]:
-    """Every launch planned in this process: the kernel, its key (shapes, dtypes, flags),
-    grid, constexprs (tiles) and warps; one entry per (kernel, device, key)."""
+    """Every launch planned in this process: the kernel and why its launcher took a kernel
+    of its kind, the key (shapes, dtypes, flags), grid, constexprs (tiles) and warps; one
+    entry per (kernel, device, key)."""
     out = []
     for launcher in _KERNELS:
         names = getattr(launcher._jit, "arg_names", [])
