@@ -180,6 +180,7 @@ def test_a_planned_launch_skips_its_arguments_function(enabled, monkeypatch):
     assert compiled.launches[-1][:3] == (4, 1, 1) and compiled.launches[-1][-1] == 128
     (entry,) = [d for d in _launch.describe() if d["key"] == repr(("n", 64))]
     assert entry["grid"] == (4, 1, 1) and entry["constexprs"] == {"BLOCK": "128"}
+    assert entry["why"] == "the family's one Triton kernel"
     monkeypatch.setattr(_launch, "CHECK_PLANS", True)
     kernel.planned(("n", 64), (buf, 64, 0.5), launch)  # the key holds: no error
     with pytest.raises(_launch.PlanMismatchError):  # BLOCK is not in the key
@@ -214,6 +215,7 @@ def test_fast_launch_matches_triton_on_gpu(monkeypatch):
     assert calls == []
     planned = {d["kernel"]: d for d in _launch.describe()}
     assert "BLOCK_M" in planned["_ln_fwd_kernel"]["constexprs"]
+    assert _launch._path("_linear_gelu_fwd_ws_kernel", {}) == _launch.PATHS["_ws_kernel"]
 
 
 class _Spy:
