@@ -183,7 +183,7 @@ def tma_matmul(a_desc, b_desc, off_m, off_n, k_start, k_len,
 
     A_TRANS: a_desc is over A.T, stored (K, M) (e.g. dy read as dy.T); B_TRANS: b_desc is
     over B.T, stored (N, K) (a weight W for x @ W.T). A_GELU: multiply gelu(A), recomputed
-    in registers as each tile arrives (_common.gelu_operand), so gelu(A) never exists in
+    in registers as each tile arrives (gelu.gelu_operand), so gelu(A) never exists in
     memory. (On A, not B: Hopper's wgmma takes its A operand from registers, B only from
     shared memory, which a recomputed B would have to be written back to.)
     """

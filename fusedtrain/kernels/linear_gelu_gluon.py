@@ -122,7 +122,7 @@ def _matmul_dgelu_ws_kernel(dy_ptr, w_ptr, h_ptr, dh_ptr, part_ptr, M, N, K, s_d
 def linear_gelu_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                     y: torch.Tensor, h: torch.Tensor | None, approx: int) -> None:
     """x: (M, K), weight: (N, K), bias: (N,) -> y = gelu(x @ W.T + b) and, unless h is None,
-    h = x @ W.T + b, written into y and h: (M, N). approx: _common.gelu's APPROX code."""
+    h = x @ W.T + b, written into y and h: (M, N). approx: a GeluMode value (kernels.gelu)."""
     M, K = x.shape
     N = weight.shape[0]
     h_arg = y if h is None else h  # never written without STORE_H
