@@ -130,6 +130,22 @@ def layer_norm_gelu(
     return F.gelu(layer_norm(x, weight, bias, eps), approximate=approximate)
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6) -> torch.Tensor:
+    """x: (..., C), weight: (C,) -> y = x / sqrt(mean(x^2) + eps) * weight: (..., C) in x's
+    dtype, computed in fp32 (fp64 for fp64 x) and rounded once."""
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    xf = x.to(acc)
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (y if weight is None else y * weight.to(acc)).to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None,
+                 eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """s = x + residual; returns (rms_norm(s), s).  x, residual: (..., C)."""
+    s = x + residual
+    return rms_norm(s, weight, eps), s
+
+
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
                   inplace_backward: bool = False) -> torch.Tensor:
     """Mean cross-entropy of logits (..., V) upcast to at least fp32, against targets (...).

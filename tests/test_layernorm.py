@@ -269,3 +269,57 @@ def test_layernorm_tiles_are_chosen_by_gpu_time():
 
     assert K._ln_fwd_kernel.do_bench is graph_timed
     assert K._ln_bwd_kernel.do_bench is graph_timed
+
+
+def test_gradcheck_rms_norm():
+    x, w, _ = _inputs((3, 5, 13))
+    assert gradcheck(ops.rms_norm, (x, w), fast_mode=True)
+    assert gradcheck(lambda x: ops.rms_norm(x, None), (x,), fast_mode=True)
+
+
+def test_gradcheck_add_rms_norm():
+    x, w, _ = _inputs((3, 5, 13))
+    r = torch.randn(3, 5, 13, dtype=F64, requires_grad=True)
+    assert gradcheck(ops.add_rms_norm, (x, r, w), fast_mode=True)
+
+
+def test_rms_norm_is_transformers_llama_rmsnorm():
+    """x / sqrt(mean(x^2) + eps) * weight, statistics in fp32 (LlamaRMSNorm's formula);
+    add_rms_norm's stream is x + residual."""
+    x, w, _ = _inputs((4, 7, 33))
+    var = x.pow(2).mean(-1, keepdim=True)
+    torch.testing.assert_close(ops.rms_norm(x, w, 1e-6), x * torch.rsqrt(var + 1e-6) * w)
+    r = torch.randn_like(x)
+    y, s = ops.add_rms_norm(x, r, w)
+    torch.testing.assert_close(s, x + r, rtol=0, atol=0)
+    torch.testing.assert_close(y, eager.rms_norm(x + r, w))
+
+
+@pytest.mark.parametrize("C", [1023, 768, 4096])
+@pytest.mark.parametrize("op", ["rms_norm", "add_rms_norm"])
+def test_fp32_and_fp16_rms_norm_within_eager_error(C, op):
+    for dtype, atol in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
+        x, w, _ = _inputs((37, C), dtype=dtype, mean=3.0)
+        inputs = [x, w] if op == "rms_norm" else [x, torch.randn(37, C, dtype=dtype)
+                                                    .requires_grad_(), w]
+        check_against_oracle(getattr(ops, op), getattr(eager, op), inputs, atol, atol * 10,
+                             f"{op} {dtype}")
+
+
+def test_rms_norm_bad_input_is_named():
+    x = torch.randn(4, 8)
+    with pytest.raises(ValueError, match="weight"):
+        ops.rms_norm(x, torch.ones(7))
+    with pytest.raises(ValueError, match="eps"):
+        ops.rms_norm(x, torch.ones(8), eps=0.0)
+    with pytest.raises(ValueError, match="residual"):
+        ops.add_rms_norm(x, torch.randn(4, 9), torch.ones(8))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["rms_norm", "add_rms_norm"])
+def test_gpu_bf16_rms_norm_within_eager_error(op):
+    x = (3.0 + torch.randn(1151, 4096, device="cuda", dtype=torch.bfloat16)).requires_grad_()
+    w = (1 + 0.1 * torch.randn(4096, device="cuda", dtype=torch.bfloat16)).requires_grad_()
+    inputs = [x, w] if op == "rms_norm" else [x, torch.randn_like(x).requires_grad_(), w]
+    check_against_oracle(getattr(ops, op), getattr(eager, op), inputs, 1e-2, 1e-1, op)

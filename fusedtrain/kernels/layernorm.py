@@ -1,4 +1,5 @@
-"""LayerNorm family kernels: LayerNorm, residual-add + LayerNorm, LayerNorm -> GELU.
+"""LayerNorm family kernels: LayerNorm, residual-add + LayerNorm, LayerNorm -> GELU, and
+RMSNorm (with or without the residual add) as the same kernels without the centring.
 
 Forward: each program normalises a tile of BLOCK_M rows x BLOCK_C (C padded to the next
 power of two and masked), or, for LayerNorm->GELU where C is 3, 5 or 7 times a power of
@@ -112,7 +113,7 @@ def _affine_store(xhat, w_ptr, b_ptr, y_ptr, r_off, cols, col_ok, mask, s_y,
     tl.store(y_ptr + r_off * s_y + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-@cached_autotune(ROW_CONFIGS + NARROW_CONFIGS, key=["C", "HAS_RES", "GELU", "STATS"],
+@cached_autotune(ROW_CONFIGS + NARROW_CONFIGS, key=["C", "HAS_RES", "GELU", "STATS", "RMS"],
                  prune=_row_tiles, do_bench=graph_timed)
 @triton.jit
 def _ln_fwd_kernel(
@@ -121,7 +122,7 @@ def _ln_fwd_kernel(
     HAS_XB: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
     GELU: tl.constexpr, STATS: tl.constexpr, OFF64: tl.constexpr, EVICT: tl.constexpr,
     ACC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, N_CHUNKS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, N_CHUNKS: tl.constexpr, RMS: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
@@ -133,8 +134,12 @@ def _ln_fwd_kernel(
         mask = row_ok[:, None] & col_ok[None, :]
         x = _input_tile(x_ptr, xb_ptr, r_ptr, s_ptr, r_off, cols, col_ok, mask, s_x, s_r,
                         s_s, HAS_XB, HAS_RES, True, ACC, EVICT)
-        mean = row_sum(x, 1) / C
-        xc = x - mean[:, None]  # -mean in padded columns: kept out of the variance alone
+        if RMS:  # RMSNorm: no centring; the mean stored is 0 for the backward
+            mean = tl.full((BLOCK_M,), 0.0, ACC)
+            xc = x
+        else:
+            mean = row_sum(x, 1) / C
+            xc = x - mean[:, None]  # -mean in padded columns: kept out of the variance alone
         rstd = _inv_sqrt(row_sum(tl.where(col_ok[None, :], xc * xc, 0.0), 1) / C + eps)
         _affine_store(xc * rstd[:, None], w_ptr, b_ptr, y_ptr, r_off, cols, col_ok, mask, s_y,
                       HAS_W, HAS_B, GELU, ACC)
@@ -194,7 +199,7 @@ def _ln_fwd_kernel(
         tl.store(rstd_ptr + rows, rstd.to(rstd_ptr.dtype.element_ty), mask=row_ok)
 
 
-@cached_autotune(LOOP_CONFIGS, key=["C", "HAS_DS", "HAS_DX2", "DX_SUMS", "GELU"],
+@cached_autotune(LOOP_CONFIGS, key=["C", "HAS_DS", "HAS_DX2", "DX_SUMS", "GELU", "RMS"],
                  prune=_row_tiles, do_bench=graph_timed)
 @triton.jit
 def _ln_bwd_kernel(
@@ -203,7 +208,7 @@ def _ln_bwd_kernel(
     HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_DS: tl.constexpr, HAS_DX2: tl.constexpr,
     DX_SUMS: tl.constexpr, GELU: tl.constexpr,
     ACC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
-    LOOP_STAGES: tl.constexpr,
+    LOOP_STAGES: tl.constexpr, RMS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_progs = tl.num_programs(0)
@@ -234,8 +239,11 @@ def _ln_bwd_kernel(
         db_acc += row_sum(dy, 0)
         wdy = tl.where(mask, dy * w[None, :], 0.0)
         c1 = row_sum(xhat * wdy, 1) / C
-        c2 = row_sum(wdy, 1) / C
-        dx = (wdy - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
+        if RMS:  # no mean was subtracted: no mean of the gradient to take out
+            dx = (wdy - xhat * c1[:, None]) * rstd[:, None]
+        else:
+            c2 = row_sum(wdy, 1) / C
+            dx = (wdy - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
         if HAS_DS:  # gradient reaching the residual-stream output s directly
             dx += tl.load(ds_ptr + r64 * s_ds + cols[None, :], mask=mask, other=0.0).to(ACC)
         if DX_SUMS:  # the gradient of add_layer_norm's x_bias: dx's column sums
@@ -283,12 +291,15 @@ def _gelu_code(approximate: str | None, out: torch.Tensor) -> int:
 def layer_norm_fwd(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None,
                    bias: torch.Tensor | None, eps: float, approximate: str | None,
                    out_dtype: torch.dtype, stream_dtype: torch.dtype, save_stats: bool = True,
-                   x_bias: torch.Tensor | None = None):
+                   x_bias: torch.Tensor | None = None, rms: bool = False):
     """x, residual: (..., C), x_bias: (C,). Returns (y, s, mean, rstd): y =
     [gelu](LN(x [+ x_bias] [+ residual])) in out_dtype, s = x [+ x_bias] + residual in
     stream_dtype (an empty tensor without residual), and the per-row statistics (M,) in
     fp32 (fp64 for fp64 x); empty (0,) tensors instead of the statistics unless save_stats
-    (only a backward reads them)."""
+    (only a backward reads them). With `rms`, RMSNorm instead: x / sqrt(mean(x^2) + eps),
+    not centred (the mean returned is 0), no GELU."""
+    if rms and approximate is not None:
+        raise ValueError("RMSNorm has no GELU form here")
     C = x.shape[-1]
     x2 = _rows(x)
     M = x2.shape[0]
@@ -302,7 +313,7 @@ def layer_norm_fwd(x: torch.Tensor, residual: torch.Tensor | None, weight: torch
     strides = (x2.stride(0), r2.stride(0), C, C if has_res else 0)
     key = (M, C, *strides, x.dtype, r2.dtype, None if weight is None else weight.dtype,
            None if bias is None else bias.dtype, None if x_bias is None else x_bias.dtype,
-           out_dtype, stream_dtype, approximate, save_stats, has_res)
+           out_dtype, stream_dtype, approximate, save_stats, has_res, rms)
 
     def launch():
         return (lambda meta: (ceil_div(M, meta["BLOCK_M"]),)), dict(
@@ -313,7 +324,7 @@ def layer_norm_fwd(x: torch.Tensor, residual: torch.Tensor | None, weight: torch
             # (14.5 vs 15.7 us) and hurts the residual form, which reads two inputs and
             # writes two outputs (27.3 vs 26.4 us).
             EVICT="" if has_res else "evict_first",
-            ACC=acc_dtype(x), **_row_chunks(C, approximate is not None))
+            ACC=acc_dtype(x), RMS=rms, **_row_chunks(C, approximate is not None))
 
     _ln_fwd_kernel.planned(key, (
         x2, x_bias if x_bias is not None else x2, r2, weight if weight is not None else x2,
@@ -338,7 +349,7 @@ def layer_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | Non
                    bias: torch.Tensor | None, mean: torch.Tensor, rstd: torch.Tensor,
                    ds: torch.Tensor | None, approximate: str | None, dx_dtype: torch.dtype,
                    dx2_dtype: torch.dtype | None = None, dx_sums: bool = False,
-                   sums_dtype: torch.dtype | None = None):
+                   sums_dtype: torch.dtype | None = None, rms: bool = False):
     """Gradients of y = [gelu](LN(x)) w.r.t. x (plus ds, the gradient that reached the
     residual stream output, if given), weight and bias. x is the normalised input (s for
     add_layer_norm). Returns (dx, dx2, sums): dx2 is dx again in dx2_dtype, written by the
@@ -347,7 +358,7 @@ def layer_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | Non
     meaningful only if that parameter exists), reduced together in one launch, in fp32
     (fp64 for fp64 x) or sums_dtype (rounded once by that launch: no cast kernel for
     parameters of that dtype), and with dx_sums a third row, dx's column sums
-    (add_layer_norm's x_bias gradient)."""
+    (add_layer_norm's x_bias gradient). With `rms`, RMSNorm's (see layer_norm_fwd)."""
     C = x.shape[-1]
     x2, dy2 = _rows(x), _rows(dy)
     ds2 = _rows(ds) if ds is not None else dy2
@@ -361,13 +372,13 @@ def layer_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | Non
     parts = torch.empty((G, n_sums, C), device=x.device, dtype=part_dtype)
     key = (M, C, dy2.stride(0), x2.stride(0), ds2.stride(0), dy.dtype, x.dtype,
            None if weight is None else weight.dtype, None if bias is None else bias.dtype,
-           None if ds is None else ds.dtype, dx_dtype, dx2_dtype, dx_sums, approximate)
+           None if ds is None else ds.dtype, dx_dtype, dx2_dtype, dx_sums, approximate, rms)
     _ln_bwd_kernel.planned(key, (
         dy2, x2, weight if weight is not None else x2, bias if bias is not None else x2,
         mean, rstd, ds2, dx, dx if dx2 is None else dx2, parts, M, C,
         dy2.stride(0), x2.stride(0), ds2.stride(0), C, C), lambda: ((G,), dict(
             HAS_W=weight is not None, HAS_B=bias is not None, HAS_DS=ds is not None,
             HAS_DX2=dx2 is not None, DX_SUMS=dx_sums, GELU=_gelu_code(approximate, dx),
-            ACC=acc_dtype(x), BLOCK_C=block_c)))
+            ACC=acc_dtype(x), BLOCK_C=block_c, RMS=rms)))
     sums = bias_grad(parts.view(G, n_sums * C), sums_dtype).view(n_sums, C)
     return dx.view(x.shape), None if dx2 is None else dx2.view(x.shape), sums

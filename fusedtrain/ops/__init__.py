@@ -9,9 +9,11 @@ from fusedtrain.ops.cross_entropy import cross_entropy, linear_cross_entropy
 from fusedtrain.ops.embedding import embedding, gpt_embedding
 from fusedtrain.ops.layernorm import (
     add_layer_norm,
+    add_rms_norm,
     layer_norm,
     layer_norm_gelu,
     layer_norm_stream,
+    rms_norm,
 )
 from fusedtrain.ops.linear import linear
 from fusedtrain.ops.linear_gelu import fused_mlp, linear_gelu
@@ -19,8 +21,8 @@ from fusedtrain.ops.qkv import qkv_projection
 from fusedtrain.ops.qkv_attention import qkv_attention
 
 __all__ = [
-    "add_layer_norm", "cross_entropy", "describe", "embedding", "flash_attention", "fused_mlp",
-    "gpt_embedding", "layer_norm", "layer_norm_gelu", "layer_norm_stream", "linear",
-    "linear_cross_entropy", "linear_gelu", "qkv_attention", "qkv_projection",
-    "register_inductor_fallbacks",
+    "add_layer_norm", "add_rms_norm", "cross_entropy", "describe", "embedding",
+    "flash_attention", "fused_mlp", "gpt_embedding", "layer_norm", "layer_norm_gelu",
+    "layer_norm_stream", "linear", "linear_cross_entropy", "linear_gelu", "qkv_attention",
+    "qkv_projection", "register_inductor_fallbacks", "rms_norm",
 ]

@@ -1,4 +1,5 @@
-"""Differentiable LayerNorm family: layer_norm, add_layer_norm, layer_norm_gelu.
+"""Differentiable LayerNorm family: layer_norm, layer_norm_stream, add_layer_norm,
+layer_norm_gelu, and RMSNorm as rms_norm and add_rms_norm.
 
 Under autocast the normalised output is written in the autocast dtype (the next op is a
 low-precision GEMM either way), statistics stay fp32, and x / residual / weight / bias
@@ -28,15 +29,15 @@ Tensor = torch.Tensor
 @launcher("layer_norm_fwd")
 def _layer_norm_fwd(x: Tensor, residual: Tensor | None, weight: Tensor | None,
                     bias: Tensor | None, eps: float, approximate: str, out_dtype: torch.dtype,
-                    stream_dtype: torch.dtype, save_stats: bool, x_bias: Tensor | None = None
-                    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                    stream_dtype: torch.dtype, save_stats: bool, x_bias: Tensor | None = None,
+                    rms: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return K.layer_norm_fwd(x, residual, weight, bias, eps, approximate or None, out_dtype,
-                            stream_dtype, save_stats, x_bias)
+                            stream_dtype, save_stats, x_bias, rms)
 
 
 @_layer_norm_fwd.register_fake
 def _(x, residual, weight, bias, eps, approximate, out_dtype, stream_dtype, save_stats,
-      x_bias=None):
+      x_bias=None, rms=False):
     M = x.numel() // x.shape[-1] if save_stats else 0
     stat = stat_dtype(x)
     s_shape = x.shape if residual is not None else (0, x.shape[-1])
@@ -48,17 +49,17 @@ def _(x, residual, weight, bias, eps, approximate, out_dtype, stream_dtype, save
 def _layer_norm_bwd(dy: Tensor, x: Tensor, weight: Tensor | None, bias: Tensor | None,
                     mean: Tensor, rstd: Tensor, ds: Tensor | None, approximate: str,
                     dx_dtype: torch.dtype, dx2_dtype: torch.dtype | None,
-                    dx_sums: bool = False, sums_dtype: torch.dtype | None = None
-                    ) -> list[Tensor]:
+                    dx_sums: bool = False, sums_dtype: torch.dtype | None = None,
+                    rms: bool = False) -> list[Tensor]:
     """[dx, sums] or, with dx2_dtype, [dx, sums, dx in dx2_dtype] (see K.layer_norm_bwd)."""
     dx, dx2, sums = K.layer_norm_bwd(dy, x, weight, bias, mean, rstd, ds, approximate or None,
-                                     dx_dtype, dx2_dtype, dx_sums, sums_dtype)
+                                     dx_dtype, dx2_dtype, dx_sums, sums_dtype, rms)
     return [dx, sums] if dx2 is None else [dx, sums, dx2]
 
 
 @_layer_norm_bwd.register_fake
 def _(dy, x, weight, bias, mean, rstd, ds, approximate, dx_dtype, dx2_dtype, dx_sums=False,
-      sums_dtype=None):
+      sums_dtype=None, rms=False):
     grads = [x.new_empty(x.shape, dtype=dx_dtype),
              x.new_empty((3 if dx_sums else 2, x.shape[-1]), dtype=sums_dtype or mean.dtype)]
     return grads if dx2_dtype is None else [*grads, x.new_empty(x.shape, dtype=dx2_dtype)]
@@ -85,19 +86,19 @@ class LayerNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, eps: float, approximate: str, out_dtype: torch.dtype,
-                save_stats: bool, stream: bool = False):
+                save_stats: bool, stream: bool = False, rms: bool = False):
         y, _, mean, rstd = _layer_norm_fwd(
-            x, None, weight, bias, eps, approximate, out_dtype, x.dtype, save_stats)
+            x, None, weight, bias, eps, approximate, out_dtype, x.dtype, save_stats, None, rms)
         ctx.save_for_backward(x, weight, bias, mean, rstd)
-        ctx.approximate = approximate
+        ctx.approximate, ctx.rms = approximate, rms
         return (y, x) if stream else y
 
     @staticmethod
     def backward(ctx, dy, ds=None):
         x, weight, bias, mean, rstd = ctx.saved_tensors
         dx, sums = _layer_norm_bwd(dy, x, weight, bias, mean, rstd, ds, ctx.approximate,
-                                   x.dtype, None, False, _sums_dtype(weight, bias))
-        return (dx, *_param_grads(sums, weight, bias), None, None, None, None, None)
+                                   x.dtype, None, False, _sums_dtype(weight, bias), ctx.rms)
+        return (dx, *_param_grads(sums, weight, bias), None, None, None, None, None, None)
 
 
 class AddLayerNormFunction(torch.autograd.Function):
@@ -105,15 +106,15 @@ class AddLayerNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, residual, weight, bias, eps: float, out_dtype: torch.dtype,
-                save_stats: bool, x_bias):
+                save_stats: bool, x_bias, rms: bool = False):
         stream_dtype = torch.promote_types(x.dtype, residual.dtype)
         if x_bias is not None:
             stream_dtype = torch.promote_types(stream_dtype, x_bias.dtype)
         y, s, mean, rstd = _layer_norm_fwd(
-            x, residual, weight, bias, eps, "", out_dtype, stream_dtype, save_stats, x_bias)
+            x, residual, weight, bias, eps, "", out_dtype, stream_dtype, save_stats, x_bias, rms)
         ctx.save_for_backward(s, weight, bias, mean, rstd)
         ctx.dtypes = (x.dtype, residual.dtype, None if x_bias is None else x_bias.dtype)
-        ctx.sums_dtype = _sums_dtype(weight, bias, x_bias)
+        ctx.sums_dtype, ctx.rms = _sums_dtype(weight, bias, x_bias), rms
         return y, s
 
     @staticmethod
@@ -124,11 +125,11 @@ class AddLayerNormFunction(torch.autograd.Function):
         # d/dx_bias its column sums, from the same pass.
         grads = _layer_norm_bwd(dy, s, weight, bias, mean, rstd, ds, "", res_dtype,
                                 None if x_dtype == res_dtype else x_dtype, xb_dtype is not None,
-                                ctx.sums_dtype)
+                                ctx.sums_dtype, ctx.rms)
         dres, sums = grads[:2]
         dx = grads[2] if len(grads) == 3 else dres
         dxb = None if xb_dtype is None else sums[2].to(xb_dtype)
-        return (dx, dres, *_param_grads(sums, weight, bias), None, None, None, dxb)
+        return (dx, dres, *_param_grads(sums, weight, bias), None, None, None, dxb, None)
 
 
 def _check(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float,
@@ -162,16 +163,17 @@ def _check(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float,
 
 
 def _normalise(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float,
-               approximate: str = "", stream: bool = False):
-    """LayerNormFunction on checked inputs: [gelu](layer_norm(x)), with `stream` also x;
-    an empty x through the eager twin."""
+               approximate: str = "", stream: bool = False, rms: bool = False):
+    """LayerNormFunction on checked inputs: [gelu](layer_norm(x)) (rms_norm(x) with `rms`),
+    with `stream` also x; an empty x through the eager twin."""
     out_dtype = _check(x, weight, bias, eps)
     if x.numel() == 0:
-        y = (eager.layer_norm_gelu(x, weight, bias, eps, approximate) if approximate
+        y = (eager.rms_norm(x, weight, eps) if rms
+             else eager.layer_norm_gelu(x, weight, bias, eps, approximate) if approximate
              else eager.layer_norm(x, weight, bias, eps)).to(out_dtype)
         return (y, x) if stream else y
     return LayerNormFunction.apply(x, weight, bias, eps, approximate, out_dtype,
-                                   backward_wanted(x, weight, bias), stream)
+                                   backward_wanted(x, weight, bias), stream, rms)
 
 
 def layer_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None,
@@ -194,15 +196,23 @@ def add_layer_norm(x: Tensor, residual: Tensor, weight: Tensor | None, bias: Ten
     x, residual: (..., C); x_bias: (C,), the bias of the layer that made x, added here so
     that its gradient comes from this op's backward pass (dx's column sums) instead of a
     separate read of dx."""
+    return _add_normalise(x, residual, weight, bias, eps, x_bias)
+
+
+def _add_normalise(x: Tensor, residual: Tensor, weight: Tensor | None, bias: Tensor | None,
+                   eps: float, x_bias: Tensor | None = None, rms: bool = False):
+    """AddLayerNormFunction on checked inputs (RMSNorm with `rms`); an empty x through the
+    eager twin."""
     if residual is None:
         raise ValueError("residual must be a tensor; use layer_norm without one")
     out_dtype = _check(x, weight, bias, eps, residual, x_bias)
     if x.numel() == 0:
-        y, s = eager.add_layer_norm(x, residual, weight, bias, eps, x_bias)
+        y, s = (eager.add_rms_norm(x, residual, weight, eps) if rms
+                else eager.add_layer_norm(x, residual, weight, bias, eps, x_bias))
         return y.to(out_dtype), s
     return AddLayerNormFunction.apply(x, residual, weight, bias, eps, out_dtype,
                                       backward_wanted(x, residual, weight, bias, x_bias),
-                                      x_bias)
+                                      x_bias, rms)
 
 
 def layer_norm_gelu(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float = 1e-5,
@@ -210,3 +220,15 @@ def layer_norm_gelu(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: 
     """y = gelu(layer_norm(x)) written once; backward recomputes the normalised value."""
     check_approximate(approximate)
     return _normalise(x, weight, bias, eps, approximate)
+
+
+def rms_norm(x: Tensor, weight: Tensor | None, eps: float = 1e-6) -> Tensor:
+    """x: (..., C), weight: (C,) -> y = x / sqrt(mean(x^2) + eps) * weight: (..., C);
+    statistics in fp32. Saves x and the per-row rstd for backward."""
+    return _normalise(x, weight, None, eps, rms=True)
+
+
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor | None,
+                 eps: float = 1e-6) -> tuple[Tensor, Tensor]:
+    """s = x + residual; returns (rms_norm(s), s) in one pass.  x, residual: (..., C)."""
+    return _add_normalise(x, residual, weight, None, eps, rms=True)
