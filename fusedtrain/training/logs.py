@@ -9,6 +9,7 @@ import os
 import lightning as L
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
+from lightning.pytorch.loggers.logger import rank_zero_experiment
 
 log = logging.getLogger("fusedtrain")
 
@@ -46,11 +47,13 @@ class ResumableCSVLogger(CSVLogger):
         self._resume_step = resume_step
 
     @property
+    @rank_zero_experiment  # the other ranks get a stand-in, and leave the file alone
     def experiment(self) -> ExperimentWriter:
-        if self._experiment is None and self._resume_step is not None:
+        if self._experiment is None:
             self._fs.makedirs(self.root_dir, exist_ok=True)
-            self._experiment = _ResumedWriter(self.log_dir, self._resume_step)
-        return super().experiment
+            self._experiment = (ExperimentWriter(self.log_dir) if self._resume_step is None
+                                else _ResumedWriter(self.log_dir, self._resume_step))
+        return self._experiment
 
 
 class LogProgress(L.Callback):
