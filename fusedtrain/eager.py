@@ -132,7 +132,7 @@ def layer_norm_gelu(
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6) -> torch.Tensor:
     """x: (..., C), weight: (C,) -> y = x / sqrt(mean(x^2) + eps) * weight: (..., C) in x's
-    dtype, computed in fp32 (fp64 for fp64 x) and rounded once."""
+    dtype, computed in fp32 (fp64 for fp64 x), then rounded once."""
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     xf = x.to(acc)
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
