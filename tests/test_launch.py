@@ -187,6 +187,43 @@ def test_a_planned_launch_skips_its_arguments_function(enabled, monkeypatch):
         kernel.planned(("n", 64), (buf, 64, 0.5), lambda: launch(block=64))
 
 
+class _DirectLauncher:
+    """Triton 3.6's compiled launcher as a plan sees it: the C `launch` and its flags."""
+
+    global_scratch_size = profile_scratch_size = 0
+    launch_cooperative_grid, launch_pdl = 0, 1
+
+    def __init__(self):
+        self.direct, self.through_call = [], []
+
+    def launch(self, *args):
+        self.direct.append(args)
+
+    def __call__(self, *args):
+        self.through_call.append(args)
+
+
+def test_a_plan_calls_the_c_launcher_with_addresses(enabled, monkeypatch):
+    """With triton 3.6's launcher layout and no scratch memory, a planned launch passes
+    each tensor's address as an int straight to the C launch, its flags before the
+    metadata; a misaligned tensor still leaves the plan."""
+    monkeypatch.setattr(_launch, "DIRECT_LAUNCH", True)
+    jit = _TensorJit()
+    kernel = _launch.fast_launch(jit)
+    buf = torch.zeros(64)
+    kernel[(4,)](buf, 64, 0.5, BLOCK=128)  # compiled by triton
+    (compiled,) = jit.compiled.values()
+    compiled.run = launcher = _DirectLauncher()
+    kernel[(4,)](buf, 64, 0.5, BLOCK=128)  # bound, planned (through the launcher's call)
+    other = torch.zeros(64)
+    kernel[(4,)](other, 64, 0.25, BLOCK=128)  # from the plan
+    assert launcher.direct == [(4, 1, 1, 7, "function", 0, 1, None, None, "metadata", None,
+                                None, None, other.data_ptr(), 64, 0.25, 128)]
+    assert [d["launch"] for d in _launch.describe() if d["key"].startswith("((torch.float32")]
+    kernel[(4,)](buf[1:], 64, 0.5, BLOCK=128)  # 4 bytes off: triton compiles another
+    assert len(launcher.direct) == 1 and len(jit.triton_calls) == 2
+
+
 @pytest.mark.gpu
 def test_fast_launch_matches_triton_on_gpu(monkeypatch):
     """LayerNorm's autotuned forward and the bias-gradient column sums (plain jit):
@@ -215,6 +252,8 @@ def test_fast_launch_matches_triton_on_gpu(monkeypatch):
     assert calls == []
     planned = {d["kernel"]: d for d in _launch.describe()}
     assert "BLOCK_M" in planned["_ln_fwd_kernel"]["constexprs"]
+    if _launch.DIRECT_LAUNCH:  # triton 3.6: the plans called its C launcher themselves
+        assert planned["_ln_fwd_kernel"]["launch"] == "C launcher, addresses as ints"
     assert _launch._path("_linear_gelu_fwd_ws_kernel", {}) == _launch.PATHS["_ws_kernel"]
 
 

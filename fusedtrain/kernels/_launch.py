@@ -28,7 +28,9 @@ launch options are).
 
 from __future__ import annotations
 
+import functools
 import logging
+import operator
 import os
 from collections.abc import Callable
 
@@ -44,6 +46,14 @@ ENABLED = not INTERPRET and os.environ.get("FUSEDTRAIN_FAST_LAUNCH", "1") != "0"
 # FUSEDTRAIN_CHECK_PLANS=1 checks every planned launch against triton's own binding (the
 # GPU tests set it): a key that misses something a launch depends on fails loudly.
 CHECK_PLANS = os.environ.get("FUSEDTRAIN_CHECK_PLANS", "0") == "1"
+# Triton 3.6's compiled launcher: a Python __call__ (scratch allocation) around a C
+# `launch(gridX, gridY, gridZ, stream, function, cooperative, pdl, global_scratch,
+# profile_scratch, metadata, launch_metadata, enter_hook, exit_hook, *args)` that takes a
+# pointer argument as an int as well as a tensor (then calling its data_ptr and
+# cuPointerGetAttribute). A plan calls that C function itself, with the addresses it read
+# for the alignment check, when the kernel needs no scratch memory; other releases lay
+# their launcher out differently and go through its __call__.
+DIRECT_LAUNCH = triton.__version__.split(".")[:2] == ["3", "6"]
 
 
 log = logging.getLogger("fusedtrain")
@@ -78,7 +88,7 @@ class FastLaunch:
         self._jit = kernel.fn if self._tuner else kernel
         self._compiled = {}  # (device, specialisation, options) -> CompiledKernel
         # (device, key) -> (kernel, grid, tensor positions, the misaligned ones, constexprs,
-        # whether it needs a scratch allocator)
+        # whether it needs a scratch allocator, the C launch with its flags or None)
         self._plans = {}
         if self._tuner is not None:
             names = self._tuner.arg_names
@@ -115,8 +125,8 @@ class FastLaunch:
         if not ENABLED:
             return self.fn[grid](*args, **kwargs)
         if plan_key is None:
-            plan_key = (tuple(a.dtype if isinstance(a, torch.Tensor)
-                              else float if type(a) is float else a for a in args),
+            plan_key = (tuple([a.dtype if isinstance(a, torch.Tensor)
+                               else float if type(a) is float else a for a in args]),
                         tuple(kwargs.items()))
             if self._launch_planned(plan_key, grid, args):
                 return
@@ -143,7 +153,8 @@ class FastLaunch:
         tensors = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
         self._plans[(device, plan_key)] = (
             kernel, grid, tensors, [i for i in tensors if args[i].data_ptr() & 15],
-            values[len(args):], getattr(kernel.metadata, "global_scratch_size", 0) > 0)
+            values[len(args):], getattr(kernel.metadata, "global_scratch_size", 0) > 0,
+            _direct_launch(kernel))
         log.info("launch plan: %s", _described(self, (device, plan_key), self._plans[
             (device, plan_key)], list(bound)[len(args):]))
 
@@ -155,11 +166,23 @@ class FastLaunch:
         plan = self._plans.get((device, key))
         if plan is None or self._jit.pre_run_hooks or _launch_hooks():
             return False
-        kernel, g, tensors, misaligned, tail, scratch = plan
-        if [i for i in tensors if args[i].data_ptr() & 15] != misaligned:
+        kernel, g, tensors, misaligned, tail, scratch, direct = plan
+        ptrs = [args[i].data_ptr() for i in tensors]
+        if misaligned:
+            if [i for i, p in zip(tensors, ptrs) if p & 15] != misaligned:
+                return False
+        elif ptrs and functools.reduce(operator.or_, ptrs) & 15:
             return False
         if grid is not None and not callable(grid):
             g = _grid3(grid)
+        if direct is not None:
+            values = list(args)
+            for i, p in zip(tensors, ptrs):
+                values[i] = p
+            launch, cooperative, pdl = direct
+            launch(g[0], g[1], g[2], _current_stream(device), kernel.function, cooperative,
+                   pdl, None, None, kernel.packed_metadata, None, None, None, *values, *tail)
+            return True
         if scratch:
             enable_device_descriptors()
         kernel.run(g[0], g[1], g[2], _current_stream(device), kernel.function,
@@ -236,8 +259,18 @@ def _path(name: str, constexprs: dict) -> str:
     return "the family's one Triton kernel"
 
 
+def _direct_launch(kernel) -> tuple[Callable, int, int] | None:
+    """(the C launch, cooperative flag, PDL flag) of a compiled kernel that a plan may call
+    straight (DIRECT_LAUNCH, no scratch memory), else None."""
+    run = kernel.run
+    if not DIRECT_LAUNCH or getattr(run, "global_scratch_size", 1) \
+            or getattr(run, "profile_scratch_size", 1) or not hasattr(run, "launch"):
+        return None
+    return run.launch, run.launch_cooperative_grid, run.launch_pdl
+
+
 def _described(launcher: FastLaunch, key, plan, names: list[str]) -> dict:
-    kernel, grid, _, misaligned, tail, _ = plan
+    kernel, grid, _, misaligned, tail, _, direct = plan
     meta = kernel.metadata
     name = getattr(launcher._jit, "__name__", type(launcher._jit).__name__)
     constexprs = dict(zip(names, map(repr, tail)))
@@ -246,7 +279,8 @@ def _described(launcher: FastLaunch, key, plan, names: list[str]) -> dict:
             "constexprs": constexprs,
             "num_warps": getattr(meta, "num_warps", None),
             "num_stages": getattr(meta, "num_stages", None),
-            "misaligned_args": misaligned}
+            "misaligned_args": misaligned,
+            "launch": "C launcher, addresses as ints" if direct else "triton's launcher"}
 
 
 def describe() -> list[dict]:
