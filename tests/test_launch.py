@@ -208,6 +208,7 @@ def test_a_plan_calls_the_c_launcher_with_addresses(enabled, monkeypatch):
     each tensor's address as an int straight to the C launch, its flags before the
     metadata; a misaligned tensor still leaves the plan."""
     monkeypatch.setattr(_launch, "DIRECT_LAUNCH", True)
+    monkeypatch.setattr(_launch, "_on_device", lambda t: True)  # the stand-ins are CPU tensors
     jit = _TensorJit()
     kernel = _launch.fast_launch(jit)
     buf = torch.zeros(64)
@@ -222,6 +223,22 @@ def test_a_plan_calls_the_c_launcher_with_addresses(enabled, monkeypatch):
     assert [d["launch"] for d in _launch.describe() if d["key"].startswith("((torch.float32")]
     kernel[(4,)](buf[1:], 64, 0.5, BLOCK=128)  # 4 bytes off: triton compiles another
     assert len(launcher.direct) == 1 and len(jit.triton_calls) == 2
+
+
+def test_a_cpu_tensor_goes_through_the_launchers_own_checks(enabled, monkeypatch):
+    """A plan made for device tensors hands a call with a CPU tensor (same dtypes and
+    integers) to triton's launcher, whose pointer check raises, not to the C launch with a
+    host address."""
+    monkeypatch.setattr(_launch, "DIRECT_LAUNCH", True)
+    jit = _TensorJit()
+    kernel = _launch.fast_launch(jit)
+    buf = torch.zeros(64)
+    kernel[(4,)](buf, 64, 0.5, BLOCK=128)
+    (compiled,) = jit.compiled.values()
+    compiled.run = launcher = _DirectLauncher()
+    kernel[(4,)](buf, 64, 0.5, BLOCK=128)  # planned
+    kernel[(4,)](torch.zeros(64), 64, 0.5, BLOCK=128)  # from the plan, a CPU tensor
+    assert launcher.direct == [] and len(launcher.through_call) == 2
 
 
 @pytest.mark.gpu

@@ -175,7 +175,7 @@ class FastLaunch:
             return False
         if grid is not None and not callable(grid):
             g = _grid3(grid)
-        if direct is not None:
+        if direct is not None and all(_on_device(args[i]) for i in tensors):
             values = list(args)
             for i, p in zip(tensors, ptrs):
                 values[i] = p
@@ -257,6 +257,13 @@ def _path(name: str, constexprs: dict) -> str:
         return ("pointer GEMM: operands the TMA and Gluon kernels cannot take (strided, "
                 "unaligned, fp32 or fp64, or no Hopper GPU)")
     return "the family's one Triton kernel"
+
+
+def _on_device(t: torch.Tensor) -> bool:
+    """Whether t's address is device memory. Only then may a plan pass it as an int: the
+    launcher's own check of a tensor (cuPointerGetAttribute) is what turns a CPU tensor
+    reaching a kernel into a ValueError instead of an illegal address on the GPU."""
+    return t.is_cuda
 
 
 def _direct_launch(kernel) -> tuple[Callable, int, int] | None:
