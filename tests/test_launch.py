@@ -53,6 +53,7 @@ class _Jit:
 def enabled(monkeypatch):
     monkeypatch.setattr(_launch, "ENABLED", True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(_launch, "_current_device", lambda: 0)
     monkeypatch.setattr(_launch, "_current_stream", lambda device: 7)
 
 

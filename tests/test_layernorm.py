@@ -64,6 +64,51 @@ def test_fp32_accuracy_large_mean(C, op):
     check_against_oracle(getattr(ops, op), getattr(eager, op), inputs, 1e-5, 1e-3, op)
 
 
+def test_rows_are_read_in_place_where_their_strides_allow():
+    """A (..., C) tensor is read as (M, C) rows of one stride where its leading dimensions
+    collapse into one; otherwise its rows are copied first."""
+    from fusedtrain.kernels.layernorm import _row_stride
+
+    def stride_of(t):
+        return _row_stride(tuple(t.shape), t.stride())
+
+    x = torch.empty(4, 6, 10)
+    assert stride_of(x) == 10
+    assert stride_of(x[:, :, :8]) == 10  # a slice of wider rows
+    assert stride_of(x[:, ::2]) == 20  # every other row: still one stride
+    assert stride_of(x[:1, :1]) == 10  # one row
+    assert stride_of(x.transpose(0, 1)) is None  # (6, 4) rows of two strides
+    assert stride_of(x[..., ::2]) is None  # a column stride of 2
+    assert stride_of(torch.empty(10).expand(4, 6, 10)) == 0  # one row broadcast
+    assert stride_of(torch.empty(6, 1, 10).expand(6, 4, 10)) is None  # strides 0 and 10
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "add_layer_norm"])
+def test_strided_inputs_and_gradients_match_eager(op):
+    """Inputs and output gradients of several layouts (a slice of wider rows, every other
+    row, a transpose, a broadcast residual) give the eager twin's values and gradients."""
+    C = 24
+    wide = torch.randn(3, 8, C + 8, dtype=F64)
+    layouts = [wide[..., :C], wide[:, ::2, :C], wide[..., :C].transpose(0, 1)]
+    w = (1 + 0.1 * torch.randn(C, dtype=F64)).requires_grad_()
+    b = (0.1 * torch.randn(C, dtype=F64)).requires_grad_()
+    for x in layouts:
+        x = x.detach().requires_grad_()
+        args = [x, w, b]
+        if op == "add_layer_norm":
+            args.insert(1, torch.randn(C, dtype=F64).expand(x.shape).requires_grad_())
+        outs = [getattr(ops, op)(*args), getattr(eager, op)(*args)]
+        outs = [o if isinstance(o, tuple) else (o,) for o in outs]
+        dys = [torch.randn(o.shape[::-1], dtype=F64).permute(*reversed(range(o.dim())))
+               for o in outs[0]]  # gradients with transposed strides
+        for got, want in zip(*outs):
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        leaves = [a for a in args if a.requires_grad]
+        for got, want in zip(torch.autograd.grad(outs[0], leaves, dys),
+                             torch.autograd.grad(outs[1], leaves, dys)):
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
 @pytest.mark.parametrize("C", [1023, 768])
 def test_fp32_add_layer_norm_with_x_bias(C):
     x, w, b = _inputs((37, C), dtype=torch.float32, mean=10.0)
@@ -99,7 +144,7 @@ def test_forward_chunks_rows_without_padding(C, chunks):
     var = x.var(-1, unbiased=False)
     ref_ln = torch.nn.functional.layer_norm(x, (C,), w, b, 1e-5)
     for approximate, ref_y in ((None, ref_ln), ("none", torch.nn.functional.gelu(ref_ln))):
-        y, _, mean, rstd = K.layer_norm_fwd(x, None, w, b, 1e-5, approximate, F64, F64)
+        y, _, (mean, rstd) = K.layer_norm_fwd(x, None, w, b, 1e-5, approximate, F64, F64)
         torch.testing.assert_close(mean, x.mean(-1), rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(rstd, (var + 1e-5).rsqrt(), rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(y, ref_y, rtol=1e-12, atol=1e-12)
@@ -113,8 +158,8 @@ def test_inference_writes_no_statistics(C, monkeypatch):
 
     x, r, w, b = (torch.randn(*shape, dtype=torch.float32)
                   for shape in ((5, C), (5, C), (C,), (C,)))
-    y, _, mean, rstd = K.layer_norm_fwd(x, r, w, b, 1e-5, "none", x.dtype, x.dtype)
-    y0, _, mean0, rstd0 = K.layer_norm_fwd(x, r, w, b, 1e-5, "none", x.dtype, x.dtype,
+    y, _, (mean, rstd) = K.layer_norm_fwd(x, r, w, b, 1e-5, "none", x.dtype, x.dtype)
+    y0, _, (mean0, rstd0) = K.layer_norm_fwd(x, r, w, b, 1e-5, "none", x.dtype, x.dtype,
                                            save_stats=False)
     assert mean.shape == rstd.shape == (5,) and mean0.numel() == rstd0.numel() == 0
     torch.testing.assert_close(y0, y, rtol=0, atol=0)

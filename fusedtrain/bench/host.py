@@ -183,7 +183,8 @@ def plot_host(rows: list[dict], path: Path, title: str) -> None:
 
 def cprofile_op(name: str, calls: int, top: int = 30) -> str:
     """cProfile's top functions by own time over `calls` fused forward+backward calls of
-    op `name` at the tiny shape, after a warm-up."""
+    op `name` at the tiny shape, after a warm-up; backward on the calling thread (autograd's
+    worker thread would hide it from cProfile)."""
     import cProfile
     import io
     import pstats
@@ -192,11 +193,12 @@ def cprofile_op(name: str, calls: int, top: int = 30) -> str:
     run = fwd_bwd(fused, inputs, _output_grads(fused, inputs))
     plain_loop_us(run, 10)
     prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(calls):
-        run()
-    torch.cuda.synchronize()
-    prof.disable()
+    with torch.autograd.set_multithreading_enabled(False):
+        prof.enable()
+        for _ in range(calls):
+            run()
+        torch.cuda.synchronize()
+        prof.disable()
     text = io.StringIO()
     pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(top)
     return f"{name}: {calls} fused forward+backward calls\n" + text.getvalue()

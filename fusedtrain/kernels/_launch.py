@@ -28,9 +28,7 @@ launch options are).
 
 from __future__ import annotations
 
-import functools
 import logging
-import operator
 import os
 from collections.abc import Callable
 
@@ -162,23 +160,24 @@ class FastLaunch:
         """Launch from the plan under (device, key), if there is one that fits the call's
         alignment and no hook wants the launch; `grid`, unless None or a function (whose
         value the plan holds), is the call's own. Returns whether it launched."""
-        device = torch.cuda.current_device()
+        device = _current_device()
         plan = self._plans.get((device, key))
         if plan is None or self._jit.pre_run_hooks or _launch_hooks():
             return False
         kernel, g, tensors, misaligned, tail, scratch, direct = plan
-        ptrs = [args[i].data_ptr() for i in tensors]
-        if misaligned:
-            if [i for i, p in zip(tensors, ptrs) if p & 15] != misaligned:
-                return False
-        elif ptrs and functools.reduce(operator.or_, ptrs) & 15:
+        values = list(args)
+        seen = 0  # the addresses or'ed together: their low bits say whether all are aligned
+        for i in tensors:
+            t = args[i]
+            if direct is not None and not _on_device(t):
+                direct = None
+            values[i] = p = t.data_ptr()
+            seen |= p
+        if (seen & 15 or misaligned) and [i for i in tensors if values[i] & 15] != misaligned:
             return False
         if grid is not None and not callable(grid):
             g = _grid3(grid)
-        if direct is not None and all(_on_device(args[i]) for i in tensors):
-            values = list(args)
-            for i, p in zip(tensors, ptrs):
-                values[i] = p
+        if direct is not None:
             launch, cooperative, pdl = direct
             launch(g[0], g[1], g[2], _current_stream(device), kernel.function, cooperative,
                    pdl, None, None, kernel.packed_metadata, None, None, None, *values, *tail)
@@ -324,8 +323,15 @@ def _launch_hooks() -> bool:
     """Whether a launch hook (a profiler's) is set: triton 3.6 keeps them in HookChains,
     always present (their `calls` lists empty when none is set), earlier releases as
     optional callables."""
-    hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
-    return any(getattr(hook, "calls", hook) for hook in hooks)
+    runtime = knobs.runtime
+    enter, exit_ = runtime.launch_enter_hook, runtime.launch_exit_hook
+    return bool(getattr(enter, "calls", enter) or getattr(exit_, "calls", exit_))
+
+
+def _current_device() -> int:
+    """torch's current CUDA device (torch.cuda.current_device without its lazy-init check:
+    a plan exists only after a launch has initialised CUDA)."""
+    return torch._C._cuda_getDevice()
 
 
 fast_launch = FastLaunch  # as a decorator on a kernel or an autotuner over one

@@ -65,21 +65,37 @@ def bias_grad(g: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor
         g = g.contiguous()
     M, N = g.shape
     if M <= _SHORT:
-        # Few rows (a buffer of partial sums, this function's own included): one program per
-        # narrow column block reads whole columns, and its row is the result.
-        block_n = min(32, next_pow2(N))
-        programs = 1
-    else:
-        block_n = min(256, next_pow2(N))
-        # About four programs per SM in all (a few under the interpreter), each with rows.
-        wanted = 4 if INTERPRET else max(1, 4 * sm_count(g.device) // ceil_div(N, block_n))
-        programs = max(1, min(wanted, ceil_div(M, _TILE // block_n)))
-    block_m = min(_TILE // block_n, next_pow2(max(M, 1)))
+        out = torch.empty(N, device=g.device, dtype=dtype or stat_dtype(g))
+        column_sums(g, out)
+        return out
+    block_n = min(256, next_pow2(N))
+    # About four programs per SM in all (a few under the interpreter), each with rows.
+    wanted = 4 if INTERPRET else max(1, 4 * sm_count(g.device) // ceil_div(N, block_n))
+    programs = max(1, min(wanted, ceil_div(M, _TILE // block_n)))
     last = programs == 1
     parts = torch.empty((programs, N), device=g.device,
                         dtype=(dtype or stat_dtype(g)) if last else stat_dtype(g))
     _column_sums_kernel.planned(
         (M, N, g.stride(0), g.dtype, parts.dtype), (g, parts, M, N, g.stride(0)),
         lambda: ((programs, ceil_div(N, block_n)),
-                 dict(ACC=acc_dtype(g), BLOCK_M=block_m, BLOCK_N=block_n, num_warps=_WARPS)))
+                 dict(ACC=acc_dtype(g), BLOCK_M=min(_TILE // block_n, next_pow2(M)),
+                      BLOCK_N=block_n, num_warps=_WARPS)))
     return parts[0] if last else bias_grad(parts, dtype)
+
+
+def column_sums(g: torch.Tensor, out: torch.Tensor) -> None:
+    """out (N values, contiguous) = g.sum(0) for g (M, N) of unit column stride and at most
+    2048 rows (a buffer of partial sums): one program per 32 columns reads them whole,
+    accumulating in fp32 (fp64 for fp64 g), and rounds once to out's dtype."""
+    M, N = g.shape
+    s_gm = g.stride(0)
+
+    def launch():
+        if M > _SHORT:
+            raise ValueError(f"column_sums takes at most {_SHORT} rows, got {M}")
+        block_n = min(32, next_pow2(N))
+        return (1, ceil_div(N, block_n)), dict(
+            ACC=acc_dtype(g), BLOCK_M=min(_TILE // block_n, next_pow2(max(M, 1))),
+            BLOCK_N=block_n, num_warps=_WARPS)
+
+    _column_sums_kernel.planned((M, N, s_gm, g.dtype, out.dtype), (g, out, M, N, s_gm), launch)

@@ -26,7 +26,7 @@ from fusedtrain.kernels import INTERPRET
 from fusedtrain.kernels._device import acc_dtype, ceil_div, next_pow2, sm_count, stat_dtype
 from fusedtrain.kernels._primitives import device_fn, row_sum
 from fusedtrain.kernels._tuning import cached_autotune, graph_timed
-from fusedtrain.kernels.bias_grad import bias_grad
+from fusedtrain.kernels.bias_grad import column_sums
 from fusedtrain.kernels.gelu import gelu, gelu_grad, gelu_mode
 
 NO_GELU = -1
@@ -117,7 +117,7 @@ def _affine_store(xhat, w_ptr, b_ptr, y_ptr, r_off, cols, col_ok, mask, s_y,
                  prune=_row_tiles, do_bench=graph_timed)
 @triton.jit
 def _ln_fwd_kernel(
-    x_ptr, xb_ptr, r_ptr, w_ptr, b_ptr, y_ptr, s_ptr, mean_ptr, rstd_ptr, M, C, eps,
+    x_ptr, xb_ptr, r_ptr, w_ptr, b_ptr, y_ptr, s_ptr, stats_ptr, M, C, eps,
     s_x, s_r, s_y, s_s,
     HAS_XB: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
     GELU: tl.constexpr, STATS: tl.constexpr, OFF64: tl.constexpr, EVICT: tl.constexpr,
@@ -195,15 +195,15 @@ def _ln_fwd_kernel(
             _affine_store((x - mean[:, None]) * rstd[:, None], w_ptr, b_ptr, y_ptr, r_off,
                           cols, col_ok, mask, s_y, HAS_W, HAS_B, GELU, ACC)
     if STATS:  # only when a backward will read them (inference writes y alone)
-        tl.store(mean_ptr + rows, mean.to(mean_ptr.dtype.element_ty), mask=row_ok)
-        tl.store(rstd_ptr + rows, rstd.to(rstd_ptr.dtype.element_ty), mask=row_ok)
+        tl.store(stats_ptr + rows, mean.to(stats_ptr.dtype.element_ty), mask=row_ok)
+        tl.store(stats_ptr + M + rows, rstd.to(stats_ptr.dtype.element_ty), mask=row_ok)
 
 
 @cached_autotune(LOOP_CONFIGS, key=["C", "HAS_DS", "HAS_DX2", "DX_SUMS", "GELU", "RMS"],
                  prune=_row_tiles, do_bench=graph_timed)
 @triton.jit
 def _ln_bwd_kernel(
-    dy_ptr, x_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, ds_ptr, dx_ptr, dx2_ptr, part_ptr,
+    dy_ptr, x_ptr, w_ptr, b_ptr, stats_ptr, ds_ptr, dx_ptr, dx2_ptr, part_ptr,
     M, C, s_dy, s_x, s_ds, s_dx, s_dx2,
     HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_DS: tl.constexpr, HAS_DX2: tl.constexpr,
     DX_SUMS: tl.constexpr, GELU: tl.constexpr,
@@ -230,8 +230,8 @@ def _ln_bwd_kernel(
         r64 = rows.to(tl.int64)[:, None]
         x = tl.load(x_ptr + r64 * s_x + cols[None, :], mask=mask, other=0.0).to(ACC)
         dy = tl.load(dy_ptr + r64 * s_dy + cols[None, :], mask=mask, other=0.0).to(ACC)
-        mean = tl.load(mean_ptr + rows, mask=row_ok, other=0.0).to(ACC)
-        rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0).to(ACC)
+        mean = tl.load(stats_ptr + rows, mask=row_ok, other=0.0).to(ACC)
+        rstd = tl.load(stats_ptr + M + rows, mask=row_ok, other=0.0).to(ACC)
         xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
         if GELU >= 0:  # y = gelu(z), z = xhat * w + b: dz = dy * gelu'(z), z recomputed
             dy = dy * gelu_grad(xhat * w[None, :] + b[None, :], GELU)
@@ -260,10 +260,32 @@ def _ln_bwd_kernel(
         tl.store(row + 2 * C, dx_acc, mask=col_ok)
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """(..., C) -> (M, C) with a unit column stride (a view where possible)."""
-    t = t.reshape(-1, t.shape[-1])
-    return t if t.stride(-1) == 1 else t.contiguous()
+def _row_stride(shape: tuple[int, ...], strides: tuple[int, ...]) -> int | None:
+    """The row stride of a (..., C) tensor of this shape and these strides read in place as
+    (M, C) rows: a unit column stride and leading dimensions that collapse into one (a
+    (B, T, C) activation, or a slice of one); None if it has none (then a copy is read)."""
+    if strides[-1] != 1 and shape[-1] > 1:
+        return None
+    row = expected = None
+    for size, stride in zip(reversed(shape[:-1]), reversed(strides[:-1])):
+        if size == 1:
+            continue
+        if expected is not None and stride != expected:
+            return None
+        row = stride if row is None else row
+        expected = stride * size
+    return shape[-1] if row is None else row
+
+
+def _rows_in_place(t: torch.Tensor, row_stride: int | None) -> tuple[torch.Tensor, int]:
+    """(t, its row stride), or (t's rows copied, C) where t cannot be read in place."""
+    if row_stride is not None:
+        return t, row_stride
+    return t.reshape(-1, t.shape[-1]).contiguous(), t.shape[-1]
+
+
+def _dtype(t: torch.Tensor | None) -> torch.dtype | None:
+    return None if t is None else t.dtype
 
 
 def _row_chunks(C: int, gelu: bool) -> dict:
@@ -288,32 +310,43 @@ def _gelu_code(approximate: str | None, out: torch.Tensor) -> int:
     return NO_GELU if approximate is None else gelu_mode(approximate, out)
 
 
+# A launcher's call signature (shapes, strides, dtypes, flags) -> what follows from it:
+# the rows' strides, the outputs' shapes and dtypes, the backward's grid. Decided once a
+# signature, so that a call only allocates its outputs and launches.
+_PLANS: dict[tuple, tuple] = {}
+
+
 def layer_norm_fwd(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None,
                    bias: torch.Tensor | None, eps: float, approximate: str | None,
                    out_dtype: torch.dtype, stream_dtype: torch.dtype, save_stats: bool = True,
                    x_bias: torch.Tensor | None = None, rms: bool = False):
-    """x, residual: (..., C), x_bias: (C,). Returns (y, s, mean, rstd): y =
+    """x, residual: (..., C) of one shape, x_bias: (C,). Returns (y, s, stats): y =
     [gelu](LN(x [+ x_bias] [+ residual])) in out_dtype, s = x [+ x_bias] + residual in
-    stream_dtype (an empty tensor without residual), and the per-row statistics (M,) in
-    fp32 (fp64 for fp64 x); empty (0,) tensors instead of the statistics unless save_stats
-    (only a backward reads them). With `rms`, RMSNorm instead: x / sqrt(mean(x^2) + eps),
-    not centred (the mean returned is 0), no GELU."""
-    if rms and approximate is not None:
-        raise ValueError("RMSNorm has no GELU form here")
-    C = x.shape[-1]
-    x2 = _rows(x)
-    M = x2.shape[0]
-    y = torch.empty((M, C), device=x.device, dtype=out_dtype)
-    mean = torch.empty(M if save_stats else 0, device=x.device, dtype=stat_dtype(x))
-    rstd = torch.empty_like(mean)
-    r2 = _rows(residual) if residual is not None else x2
-    s = torch.empty((M, C) if residual is not None else (0, C), device=x.device,
-                    dtype=stream_dtype)
+    stream_dtype (None without residual), and stats (2, M): the rows' mean and rstd in
+    fp32 (fp64 for fp64 x), (2, 0) unless save_stats (only a backward reads them). With
+    `rms`, RMSNorm instead: x / sqrt(mean(x^2) + eps), not centred (the mean stored is 0),
+    no GELU."""
     has_res = residual is not None
-    strides = (x2.stride(0), r2.stride(0), C, C if has_res else 0)
-    key = (M, C, *strides, x.dtype, r2.dtype, None if weight is None else weight.dtype,
-           None if bias is None else bias.dtype, None if x_bias is None else x_bias.dtype,
-           out_dtype, stream_dtype, approximate, save_stats, has_res, rms)
+    key = (x.shape, x.stride(), x.dtype,
+           (residual.stride(), residual.dtype) if has_res else None, _dtype(weight),
+           _dtype(bias), _dtype(x_bias), out_dtype, stream_dtype, approximate, save_stats, rms)
+    plan = _PLANS.get(key)
+    if plan is None:
+        if rms and approximate is not None:
+            raise ValueError("RMSNorm has no GELU form here")
+        C = x.shape[-1]
+        s_r = _row_stride(residual.shape, residual.stride()) if has_res else None
+        plan = _PLANS[key] = (x.numel() // max(C, 1), C, _row_stride(x.shape, x.stride()),
+                              s_r, tuple(x.shape), stat_dtype(x))
+    M, C, s_x, s_r, shape, stat = plan
+    x, s_x = _rows_in_place(x, s_x)
+    if has_res:
+        residual, s_r = _rows_in_place(residual, s_r)
+    device = x.device
+    y = torch.empty(*shape, dtype=out_dtype, device=device)
+    stats = torch.empty(2, M if save_stats else 0, dtype=stat, device=device)
+    s = torch.empty(*shape, dtype=stream_dtype, device=device) if has_res else None
+    strides = (s_x, s_r, C, C) if has_res else (s_x, s_x, C, 0)
 
     def launch():
         return (lambda meta: (ceil_div(M, meta["BLOCK_M"]),)), dict(
@@ -327,12 +360,10 @@ def layer_norm_fwd(x: torch.Tensor, residual: torch.Tensor | None, weight: torch
             ACC=acc_dtype(x), RMS=rms, **_row_chunks(C, approximate is not None))
 
     _ln_fwd_kernel.planned(key, (
-        x2, x_bias if x_bias is not None else x2, r2, weight if weight is not None else x2,
-        bias if bias is not None else x2, y, s if has_res else y, mean, rstd,
-        M, C, eps, *strides), launch)
-    if residual is not None:
-        s = s.view(x.shape)
-    return y.view(x.shape), s, mean, rstd
+        x, x if x_bias is None else x_bias, residual if has_res else x,
+        x if weight is None else weight, x if bias is None else bias, y, s if has_res else y,
+        stats, M, C, eps, *strides), launch)
+    return y, s, stats
 
 
 def _num_programs(M: int, block_c: int, device: torch.device) -> int:
@@ -346,39 +377,49 @@ def _num_programs(M: int, block_c: int, device: torch.device) -> int:
 
 
 def layer_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None,
-                   bias: torch.Tensor | None, mean: torch.Tensor, rstd: torch.Tensor,
-                   ds: torch.Tensor | None, approximate: str | None, dx_dtype: torch.dtype,
+                   bias: torch.Tensor | None, stats: torch.Tensor, ds: torch.Tensor | None,
+                   approximate: str | None, dx_dtype: torch.dtype,
                    dx2_dtype: torch.dtype | None = None, dx_sums: bool = False,
                    sums_dtype: torch.dtype | None = None, rms: bool = False):
     """Gradients of y = [gelu](LN(x)) w.r.t. x (plus ds, the gradient that reached the
-    residual stream output, if given), weight and bias. x is the normalised input (s for
-    add_layer_norm). Returns (dx, dx2, sums): dx2 is dx again in dx2_dtype, written by the
-    same pass (None if not asked: add_layer_norm's two inputs may differ in dtype, and a
-    separate cast would re-read dx); sums (2, C) holds the dW and db sums (each
-    meaningful only if that parameter exists), reduced together in one launch, in fp32
-    (fp64 for fp64 x) or sums_dtype (rounded once by that launch: no cast kernel for
-    parameters of that dtype), and with dx_sums a third row, dx's column sums
-    (add_layer_norm's x_bias gradient). With `rms`, RMSNorm's (see layer_norm_fwd)."""
-    C = x.shape[-1]
-    x2, dy2 = _rows(x), _rows(dy)
-    ds2 = _rows(ds) if ds is not None else dy2
-    M = x2.shape[0]
-    dx = torch.empty((M, C), device=x.device, dtype=dx_dtype)
-    dx2 = None if dx2_dtype is None else torch.empty_like(dx, dtype=dx2_dtype)
-    block_c = next_pow2(C)
-    G = _num_programs(M, block_c, x.device)
-    part_dtype = stat_dtype(x)
-    n_sums = 3 if dx_sums else 2
-    parts = torch.empty((G, n_sums, C), device=x.device, dtype=part_dtype)
-    key = (M, C, dy2.stride(0), x2.stride(0), ds2.stride(0), dy.dtype, x.dtype,
-           None if weight is None else weight.dtype, None if bias is None else bias.dtype,
-           None if ds is None else ds.dtype, dx_dtype, dx2_dtype, dx_sums, approximate, rms)
+    residual stream output, if given), weight and bias; dy, ds: x's shape (..., C), stats
+    the forward's (2, M). x is the normalised input (s for add_layer_norm). Returns (dx,
+    dx2, sums): dx2 is dx again in dx2_dtype, written by the same pass (None if not
+    asked: add_layer_norm's two inputs may differ in dtype, and a separate cast would
+    re-read dx); sums (2, C) holds the dW and db sums (each meaningful only if that
+    parameter exists), reduced together in one launch, in fp32 (fp64 for fp64 x) or
+    sums_dtype (rounded once by that launch: no cast kernel for parameters of that dtype),
+    and with dx_sums a third row, dx's column sums (add_layer_norm's x_bias gradient).
+    With `rms`, RMSNorm's (see layer_norm_fwd)."""
+    key = (x.shape, x.stride(), dy.stride(), x.device, dy.dtype, x.dtype,
+           (ds.stride(), ds.dtype) if ds is not None else None, _dtype(weight), _dtype(bias),
+           dx_dtype, dx2_dtype, dx_sums, sums_dtype, approximate, rms)
+    plan = _PLANS.get(key)
+    if plan is None:
+        C = x.shape[-1]
+        M = x.numel() // max(C, 1)
+        block_c = next_pow2(C)
+        plan = _PLANS[key] = (
+            M, C, block_c, _row_stride(x.shape, x.stride()),
+            _row_stride(dy.shape, dy.stride()),
+            None if ds is None else _row_stride(ds.shape, ds.stride()), tuple(x.shape),
+            _num_programs(M, block_c, x.device), 3 if dx_sums else 2, stat_dtype(x))
+    M, C, block_c, s_x, s_dy, s_ds, shape, G, n_sums, part_dtype = plan
+    x, s_x = _rows_in_place(x, s_x)
+    dy, s_dy = _rows_in_place(dy, s_dy)
+    if ds is not None:
+        ds, s_ds = _rows_in_place(ds, s_ds)
+    device = x.device
+    dx = torch.empty(*shape, dtype=dx_dtype, device=device)
+    dx2 = None if dx2_dtype is None else torch.empty(*shape, dtype=dx2_dtype, device=device)
+    parts = torch.empty(G, n_sums * C, dtype=part_dtype, device=device)
+    sums = torch.empty(n_sums, C, dtype=sums_dtype or part_dtype, device=device)
     _ln_bwd_kernel.planned(key, (
-        dy2, x2, weight if weight is not None else x2, bias if bias is not None else x2,
-        mean, rstd, ds2, dx, dx if dx2 is None else dx2, parts, M, C,
-        dy2.stride(0), x2.stride(0), ds2.stride(0), C, C), lambda: ((G,), dict(
+        dy, x, x if weight is None else weight, x if bias is None else bias, stats,
+        dy if ds is None else ds, dx, dx if dx2 is None else dx2, parts, M, C,
+        s_dy, s_x, s_dy if ds is None else s_ds, C, C), lambda: ((G,), dict(
             HAS_W=weight is not None, HAS_B=bias is not None, HAS_DS=ds is not None,
             HAS_DX2=dx2 is not None, DX_SUMS=dx_sums, GELU=_gelu_code(approximate, dx),
             ACC=acc_dtype(x), BLOCK_C=block_c, RMS=rms)))
-    sums = bias_grad(parts.view(G, n_sums * C), sums_dtype).view(n_sums, C)
-    return dx.view(x.shape), None if dx2 is None else dx2.view(x.shape), sums
+    column_sums(parts, sums)
+    return dx, dx2, sums

@@ -28,6 +28,25 @@ def backward_wanted(*tensors: torch.Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
+_C_APPLY = torch._C._FunctionBase.__dict__["apply"]
+
+
+def function_apply(fn: type[torch.autograd.Function]) -> Callable:
+    """fn.apply without autograd.Function.apply's Python layer where nothing needs it: 8
+    us of host time a call on a CPU host (binding defaults for setup_context, which these
+    Functions do not define, and unwrapping tensors that escaped a functorch transform
+    after it ended; such a tensor then fails the kernels' data_ptr read with torch's own
+    error). Under torch.compile and inside functorch transforms, fn.apply."""
+    direct = _C_APPLY.__get__(None, fn)
+
+    def apply(*args):
+        if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+            return fn.apply(*args)
+        return direct(*args)
+
+    return apply
+
+
 _OP_NAMES: list[str] = []  # every fusedtrain:: op, in registration order
 
 

@@ -8,7 +8,7 @@ from torch.utils.flop_counter import register_flop_formula
 from fusedtrain.kernels import attention as K
 from fusedtrain.kernels import attention_bwd as KB
 from fusedtrain.kernels._device import stat_dtype
-from fusedtrain.ops._registry import launcher
+from fusedtrain.ops._registry import function_apply, launcher
 from fusedtrain.ops._validate import autocast_cast, check_same, check_tensor
 
 Tensor = torch.Tensor
@@ -79,6 +79,9 @@ class FlashAttentionFunction(torch.autograd.Function):
         return dq, dk, dv, None, None
 
 
+_apply_flash_attention = function_apply(FlashAttentionFunction)
+
+
 def checked_scale(head_dim: int, softmax_scale: float | None) -> float:
     """The softmax scale for a head dim the kernels take (ValueError otherwise);
     softmax_scale defaults to 1 / sqrt(head_dim)."""
@@ -110,4 +113,4 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True,
     check_same("q", q, k=k, v=v)
     if q.numel() == 0:
         return torch.empty_like(q)
-    return FlashAttentionFunction.apply(q, k, v, bool(causal), scale)
+    return _apply_flash_attention(q, k, v, bool(causal), scale)

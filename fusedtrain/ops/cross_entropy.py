@@ -9,7 +9,7 @@ from torch.utils.flop_counter import register_flop_formula
 from fusedtrain.casts import cast_params
 from fusedtrain.kernels import cross_entropy as K
 from fusedtrain.kernels._device import stat_dtype
-from fusedtrain.ops._registry import launcher, runs_directly
+from fusedtrain.ops._registry import function_apply, launcher, runs_directly
 from fusedtrain.ops._validate import (
     autocast_params,
     check_index_tensor,
@@ -92,6 +92,9 @@ class CrossEntropyFunction(torch.autograd.Function):
         return dlogits, None, None, None
 
 
+_apply_cross_entropy = function_apply(CrossEntropyFunction)
+
+
 def _check_targets(targets: Tensor, rows: Tensor, name: str) -> None:
     """targets: integer class ids of rows' shape without its last dimension, on its device."""
     check_index_tensor("targets", targets, "class indices")
@@ -120,7 +123,7 @@ def cross_entropy(logits: Tensor, targets: Tensor, ignore_index: int = -100,
     rows = logits.reshape(-1, logits.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    return CrossEntropyFunction.apply(rows, targets.reshape(-1).long(), int(ignore_index),
+    return _apply_cross_entropy(rows, targets.reshape(-1).long(), int(ignore_index),
                                       bool(inplace_backward))
 
 
@@ -166,6 +169,9 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         return dx, dw, None, None, None
 
 
+_apply_linear_cross_entropy = function_apply(LinearCrossEntropyFunction)
+
+
 def linear_cross_entropy(x: Tensor, weight: Tensor, targets: Tensor,
                          ignore_index: int = -100) -> Tensor:
     """Mean cross-entropy of the logits x @ weight.T against targets: x: (..., C), weight:
@@ -181,5 +187,5 @@ def linear_cross_entropy(x: Tensor, weight: Tensor, targets: Tensor,
                  same_dtype=compute_dtype is None)
     if weight.shape[0] == 0:
         raise ValueError("weight has no rows: an empty vocabulary")
-    return LinearCrossEntropyFunction.apply(x, weight, targets.reshape(-1).long(),
+    return _apply_linear_cross_entropy(x, weight, targets.reshape(-1).long(),
                                             int(ignore_index), compute_dtype)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from fusedtrain.kernels import embedding as K
 from fusedtrain.kernels._device import stat_dtype
-from fusedtrain.ops._registry import launcher
+from fusedtrain.ops._registry import function_apply, launcher
 from fusedtrain.ops._validate import check_index_tensor, check_same, check_tensor
 
 Tensor = torch.Tensor
@@ -44,6 +44,9 @@ class EmbeddingFunction(torch.autograd.Function):
         return None, dw.to(dy.dtype)
 
 
+_apply_embedding = function_apply(EmbeddingFunction)
+
+
 def embedding(idx: Tensor, weight: Tensor) -> Tensor:
     """idx: (...) integer ids in [0, V), weight: (V, C) -> weight[idx]: (..., C)."""
     check_tensor("weight", weight, ndim=2)
@@ -52,7 +55,7 @@ def embedding(idx: Tensor, weight: Tensor) -> Tensor:
         raise ValueError(f"idx is on {idx.device} but weight is on {weight.device}")
     if idx.numel() == 0 or not (torch.is_grad_enabled() and weight.requires_grad):
         return F.embedding(idx, weight)
-    return EmbeddingFunction.apply(idx, weight)
+    return _apply_embedding(idx, weight)
 
 
 # ---------------------------------------------------------------- GPT's input embedding
@@ -142,6 +145,9 @@ class GPTEmbeddingFunction(torch.autograd.Function):
         return None, dw.to(token_dtype), dpos.to(position_dtype), None
 
 
+_apply_gpt_embedding = function_apply(GPTEmbeddingFunction)
+
+
 def gpt_embedding(idx: Tensor, token_weight: Tensor, position_weight: Tensor,
                   inplace_backward: bool = False) -> tuple[Tensor, Tensor]:
     """GPT's input embedding, with its tied output head's weight.
@@ -181,6 +187,6 @@ def gpt_embedding(idx: Tensor, token_weight: Tensor, position_weight: Tensor,
 
         return eager.gpt_embedding(idx, token_weight, position_weight)
     if torch.is_grad_enabled() and (token_weight.requires_grad or position_weight.requires_grad):
-        return GPTEmbeddingFunction.apply(idx, token_weight, position_weight,
+        return _apply_gpt_embedding(idx, token_weight, position_weight,
                                           bool(inplace_backward))
     return _gpt_embedding_fwd(idx, token_weight, position_weight), token_weight

@@ -14,7 +14,7 @@ import torch
 from fusedtrain import eager
 from fusedtrain.kernels import layernorm as K
 from fusedtrain.kernels._device import stat_dtype
-from fusedtrain.ops._registry import backward_wanted, launcher
+from fusedtrain.ops._registry import backward_wanted, function_apply, launcher
 from fusedtrain.ops._validate import (
     autocast_dtype,
     check_approximate,
@@ -25,43 +25,57 @@ from fusedtrain.ops._validate import (
 Tensor = torch.Tensor
 
 
-
 @launcher("layer_norm_fwd")
-def _layer_norm_fwd(x: Tensor, residual: Tensor | None, weight: Tensor | None,
-                    bias: Tensor | None, eps: float, approximate: str, out_dtype: torch.dtype,
-                    stream_dtype: torch.dtype, save_stats: bool, x_bias: Tensor | None = None,
-                    rms: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return K.layer_norm_fwd(x, residual, weight, bias, eps, approximate or None, out_dtype,
-                            stream_dtype, save_stats, x_bias, rms)
+def _layer_norm_fwd(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float,
+                    approximate: str, out_dtype: torch.dtype, save_stats: bool,
+                    rms: bool = False) -> tuple[Tensor, Tensor]:
+    """(y, stats): see K.layer_norm_fwd."""
+    y, _, stats = K.layer_norm_fwd(x, None, weight, bias, eps, approximate or None, out_dtype,
+                                   x.dtype, save_stats, None, rms)
+    return y, stats
 
 
 @_layer_norm_fwd.register_fake
-def _(x, residual, weight, bias, eps, approximate, out_dtype, stream_dtype, save_stats,
-      x_bias=None, rms=False):
+def _(x, weight, bias, eps, approximate, out_dtype, save_stats, rms=False):
     M = x.numel() // x.shape[-1] if save_stats else 0
-    stat = stat_dtype(x)
-    s_shape = x.shape if residual is not None else (0, x.shape[-1])
-    return (x.new_empty(x.shape, dtype=out_dtype), x.new_empty(s_shape, dtype=stream_dtype),
-            x.new_empty(M, dtype=stat), x.new_empty(M, dtype=stat))
+    return x.new_empty(x.shape, dtype=out_dtype), x.new_empty((2, M), dtype=stat_dtype(x))
+
+
+@launcher("add_layer_norm_fwd")
+def _add_layer_norm_fwd(x: Tensor, residual: Tensor, weight: Tensor | None,
+                        bias: Tensor | None, eps: float, out_dtype: torch.dtype,
+                        stream_dtype: torch.dtype, save_stats: bool, x_bias: Tensor | None = None,
+                        rms: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    """(y, s, stats): see K.layer_norm_fwd."""
+    return K.layer_norm_fwd(x, residual, weight, bias, eps, None, out_dtype, stream_dtype,
+                            save_stats, x_bias, rms)
+
+
+@_add_layer_norm_fwd.register_fake
+def _(x, residual, weight, bias, eps, out_dtype, stream_dtype, save_stats, x_bias=None,
+      rms=False):
+    M = x.numel() // x.shape[-1] if save_stats else 0
+    return (x.new_empty(x.shape, dtype=out_dtype), x.new_empty(x.shape, dtype=stream_dtype),
+            x.new_empty((2, M), dtype=stat_dtype(x)))
 
 
 @launcher("layer_norm_bwd")
 def _layer_norm_bwd(dy: Tensor, x: Tensor, weight: Tensor | None, bias: Tensor | None,
-                    mean: Tensor, rstd: Tensor, ds: Tensor | None, approximate: str,
+                    stats: Tensor, ds: Tensor | None, approximate: str,
                     dx_dtype: torch.dtype, dx2_dtype: torch.dtype | None,
                     dx_sums: bool = False, sums_dtype: torch.dtype | None = None,
                     rms: bool = False) -> list[Tensor]:
     """[dx, sums] or, with dx2_dtype, [dx, sums, dx in dx2_dtype] (see K.layer_norm_bwd)."""
-    dx, dx2, sums = K.layer_norm_bwd(dy, x, weight, bias, mean, rstd, ds, approximate or None,
+    dx, dx2, sums = K.layer_norm_bwd(dy, x, weight, bias, stats, ds, approximate or None,
                                      dx_dtype, dx2_dtype, dx_sums, sums_dtype, rms)
     return [dx, sums] if dx2 is None else [dx, sums, dx2]
 
 
 @_layer_norm_bwd.register_fake
-def _(dy, x, weight, bias, mean, rstd, ds, approximate, dx_dtype, dx2_dtype, dx_sums=False,
+def _(dy, x, weight, bias, stats, ds, approximate, dx_dtype, dx2_dtype, dx_sums=False,
       sums_dtype=None, rms=False):
     grads = [x.new_empty(x.shape, dtype=dx_dtype),
-             x.new_empty((3 if dx_sums else 2, x.shape[-1]), dtype=sums_dtype or mean.dtype)]
+             x.new_empty((3 if dx_sums else 2, x.shape[-1]), dtype=sums_dtype or stats.dtype)]
     return grads if dx2_dtype is None else [*grads, x.new_empty(x.shape, dtype=dx2_dtype)]
 
 
@@ -79,25 +93,25 @@ def _param_grads(sums: Tensor, weight: Tensor | None, bias: Tensor | None):
 
 
 class LayerNormFunction(torch.autograd.Function):
-    """y = [gelu](layer_norm(x)); saves x, mean and rstd only. With `stream`, (y, x): x
-    also passes through (a residual stream), and the gradient that reaches it there comes
-    into this backward, whose one pass adds it to dx (as add_layer_norm's does): no
-    separate add of x's two (..., C) gradients."""
+    """y = [gelu](layer_norm(x)); saves x and the (2, M) statistics only. With `stream`,
+    (y, x): x also passes through (a residual stream), and the gradient that reaches it
+    there comes into this backward, whose one pass adds it to dx (as add_layer_norm's
+    does): no separate add of x's two (..., C) gradients."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, eps: float, approximate: str, out_dtype: torch.dtype,
                 save_stats: bool, stream: bool = False, rms: bool = False):
-        y, _, mean, rstd = _layer_norm_fwd(
-            x, None, weight, bias, eps, approximate, out_dtype, x.dtype, save_stats, None, rms)
-        ctx.save_for_backward(x, weight, bias, mean, rstd)
+        y, stats = _layer_norm_fwd(x, weight, bias, eps, approximate, out_dtype, save_stats,
+                                   rms)
+        ctx.save_for_backward(x, weight, bias, stats)
         ctx.approximate, ctx.rms = approximate, rms
         return (y, x) if stream else y
 
     @staticmethod
     def backward(ctx, dy, ds=None):
-        x, weight, bias, mean, rstd = ctx.saved_tensors
-        dx, sums = _layer_norm_bwd(dy, x, weight, bias, mean, rstd, ds, ctx.approximate,
-                                   x.dtype, None, False, _sums_dtype(weight, bias), ctx.rms)
+        x, weight, bias, stats = ctx.saved_tensors
+        dx, sums = _layer_norm_bwd(dy, x, weight, bias, stats, ds, ctx.approximate, x.dtype,
+                                   None, False, _sums_dtype(weight, bias), ctx.rms)
         return (dx, *_param_grads(sums, weight, bias), None, None, None, None, None, None)
 
 
@@ -110,26 +124,30 @@ class AddLayerNormFunction(torch.autograd.Function):
         stream_dtype = torch.promote_types(x.dtype, residual.dtype)
         if x_bias is not None:
             stream_dtype = torch.promote_types(stream_dtype, x_bias.dtype)
-        y, s, mean, rstd = _layer_norm_fwd(
-            x, residual, weight, bias, eps, "", out_dtype, stream_dtype, save_stats, x_bias, rms)
-        ctx.save_for_backward(s, weight, bias, mean, rstd)
+        y, s, stats = _add_layer_norm_fwd(x, residual, weight, bias, eps, out_dtype,
+                                          stream_dtype, save_stats, x_bias, rms)
+        ctx.save_for_backward(s, weight, bias, stats)
         ctx.dtypes = (x.dtype, residual.dtype, None if x_bias is None else x_bias.dtype)
         ctx.sums_dtype, ctx.rms = _sums_dtype(weight, bias, x_bias), rms
         return y, s
 
     @staticmethod
     def backward(ctx, dy, ds):
-        s, weight, bias, mean, rstd = ctx.saved_tensors
+        s, weight, bias, stats = ctx.saved_tensors
         x_dtype, res_dtype, xb_dtype = ctx.dtypes
         # d/dx = d/dresidual: one gradient, written in each input's dtype by the one pass;
         # d/dx_bias its column sums, from the same pass.
-        grads = _layer_norm_bwd(dy, s, weight, bias, mean, rstd, ds, "", res_dtype,
+        grads = _layer_norm_bwd(dy, s, weight, bias, stats, ds, "", res_dtype,
                                 None if x_dtype == res_dtype else x_dtype, xb_dtype is not None,
                                 ctx.sums_dtype, ctx.rms)
         dres, sums = grads[:2]
         dx = grads[2] if len(grads) == 3 else dres
         dxb = None if xb_dtype is None else sums[2].to(xb_dtype)
         return (dx, dres, *_param_grads(sums, weight, bias), None, None, None, dxb, None)
+
+
+_apply_layer_norm = function_apply(LayerNormFunction)
+_apply_add_layer_norm = function_apply(AddLayerNormFunction)
 
 
 def _check(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float,
@@ -172,8 +190,8 @@ def _normalise(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
              else eager.layer_norm_gelu(x, weight, bias, eps, approximate) if approximate
              else eager.layer_norm(x, weight, bias, eps)).to(out_dtype)
         return (y, x) if stream else y
-    return LayerNormFunction.apply(x, weight, bias, eps, approximate, out_dtype,
-                                   backward_wanted(x, weight, bias), stream, rms)
+    return _apply_layer_norm(x, weight, bias, eps, approximate, out_dtype,
+                       backward_wanted(x, weight, bias), stream, rms)
 
 
 def layer_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None,
@@ -210,9 +228,8 @@ def _add_normalise(x: Tensor, residual: Tensor, weight: Tensor | None, bias: Ten
         y, s = (eager.add_rms_norm(x, residual, weight, eps) if rms
                 else eager.add_layer_norm(x, residual, weight, bias, eps, x_bias))
         return y.to(out_dtype), s
-    return AddLayerNormFunction.apply(x, residual, weight, bias, eps, out_dtype,
-                                      backward_wanted(x, residual, weight, bias, x_bias),
-                                      x_bias, rms)
+    return _apply_add_layer_norm(x, residual, weight, bias, eps, out_dtype,
+                             backward_wanted(x, residual, weight, bias, x_bias), x_bias, rms)
 
 
 def layer_norm_gelu(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float = 1e-5,

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from fusedtrain.casts import cast_params
+from fusedtrain.ops._registry import function_apply
 from fusedtrain.ops._validate import autocast_params, check_linear, check_tensor
 from fusedtrain.ops.bias_grad import column_sums
 
@@ -55,6 +56,9 @@ class LinearFunction(torch.autograd.Function):
         return dx, dw, db, None
 
 
+_apply_linear = function_apply(LinearFunction)
+
+
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """x: (..., K), weight: (N, K), bias: (N,) -> x @ weight.T + bias: (..., N)."""
     check_tensor("x", x, min_ndim=1)
@@ -62,4 +66,4 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     check_linear(x, weight, bias, "weight", "bias", x.shape[-1], same_dtype=compute_dtype is None)
     if x.numel() == 0:
         return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
-    return LinearFunction.apply(x, weight, bias, compute_dtype)
+    return _apply_linear(x, weight, bias, compute_dtype)

@@ -14,7 +14,7 @@ from torch.utils.flop_counter import register_flop_formula
 from fusedtrain import eager
 from fusedtrain.casts import cast_params
 from fusedtrain.kernels import linear_gelu as K
-from fusedtrain.ops._registry import backward_wanted, launcher
+from fusedtrain.ops._registry import backward_wanted, function_apply, launcher
 from fusedtrain.ops._validate import (
     autocast_cast,
     autocast_params,
@@ -153,6 +153,9 @@ class LinearGELUFunction(torch.autograd.Function):
                 None, None)
 
 
+_apply_linear_gelu = function_apply(LinearGELUFunction)
+
+
 class FusedMLPFunction(torch.autograd.Function):
     """y = gelu(x @ W1.T + b1) @ W2.T + b2, saving only x and h (never gelu(h))."""
 
@@ -180,6 +183,9 @@ class FusedMLPFunction(torch.autograd.Function):
                 None, None)
 
 
+_apply_fused_mlp = function_apply(FusedMLPFunction)
+
+
 # ---------------------------------------------------------------- public ops
 
 
@@ -194,7 +200,7 @@ def linear_gelu(x: Tensor, weight: Tensor, bias: Tensor | None = None,
         return eager.linear_gelu(*autocast_cast(x, weight, bias), approximate)
     x2 = x.reshape(-1, x.shape[-1])
     if backward_wanted(x, weight, bias):
-        y = LinearGELUFunction.apply(x2, weight, bias, approximate, compute_dtype)
+        y = _apply_linear_gelu(x2, weight, bias, approximate, compute_dtype)
     else:
         y = _linear_gelu_infer(x2, *cast_params(compute_dtype, weight, bias), approximate)
     return y.view(*x.shape[:-1], weight.shape[0])
@@ -218,7 +224,7 @@ def fused_mlp(x: Tensor, fc_weight: Tensor, fc_bias: Tensor | None, proj_weight:
         return eager.fused_mlp(*autocast_cast(x, *params), approximate)
     x2 = x.reshape(-1, x.shape[-1])
     if backward_wanted(x, *params):
-        y = FusedMLPFunction.apply(x2, *params, approximate, compute_dtype)
+        y = _apply_fused_mlp(x2, *params, approximate, compute_dtype)
     else:
         w1, b1, w2, b2 = cast_params(compute_dtype, *params)
         y = F.linear(_linear_gelu_infer(x2, w1, b1, approximate), w2, b2)

@@ -10,7 +10,7 @@ from fusedtrain.casts import cast_params
 from fusedtrain.kernels import qkv as K
 from fusedtrain.kernels._device import stat_dtype
 from fusedtrain.kernels.bias_grad import bias_grad
-from fusedtrain.ops._registry import launcher
+from fusedtrain.ops._registry import function_apply, launcher
 from fusedtrain.ops._validate import autocast_cast, autocast_params, check_same, check_tensor
 from fusedtrain.ops.linear import weight_grad
 
@@ -123,6 +123,9 @@ class QKVProjectionFunction(torch.autograd.Function):
         return dx, dw, None if b_dtype is None else db, None, None
 
 
+_apply_qkv_projection = function_apply(QKVProjectionFunction)
+
+
 def checked_args(x: Tensor, weight: Tensor, bias: Tensor | None,
                  n_heads: int) -> tuple[Tensor, Tensor, Tensor | None, torch.dtype | None]:
     """qkv_projection's arguments validated (ValueError/TypeError naming the argument),
@@ -156,4 +159,4 @@ def qkv_projection(x: Tensor, weight: Tensor, bias: Tensor | None,
     x, weight, bias, compute_dtype = checked_args(x, weight, bias, n_heads)
     if x.numel() == 0:
         return eager.qkv_projection(*autocast_cast(x, weight, bias), n_heads)
-    return QKVProjectionFunction.apply(x, weight, bias, n_heads, compute_dtype)
+    return _apply_qkv_projection(x, weight, bias, n_heads, compute_dtype)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from fusedtrain.casts import cast_params
+from fusedtrain.ops._registry import function_apply
 from fusedtrain.ops.attention import attention_bwd, attention_fwd, checked_scale, flash_attention
 from fusedtrain.ops.qkv import checked_args, qkv_bwd, qkv_fwd, qkv_projection
 
@@ -42,6 +43,9 @@ class QKVAttentionFunction(torch.autograd.Function):
         return dx, dw, None if b_dtype is None else db, None, None, None, None
 
 
+_apply_qkv_attention = function_apply(QKVAttentionFunction)
+
+
 def qkv_attention(x: Tensor, weight: Tensor, bias: Tensor | None, n_heads: int,
                   causal: bool = True, softmax_scale: float | None = None) -> Tensor:
     """flash_attention(*qkv_projection(x, weight, bias, n_heads), causal, softmax_scale).
@@ -53,5 +57,5 @@ def qkv_attention(x: Tensor, weight: Tensor, bias: Tensor | None, n_heads: int,
     scale = checked_scale(x.shape[-1] // n_heads, softmax_scale)
     if x.numel() == 0:
         return flash_attention(*qkv_projection(x, weight, bias, n_heads), causal, scale)
-    return QKVAttentionFunction.apply(x, weight, bias, n_heads, bool(causal), scale,
+    return _apply_qkv_attention(x, weight, bias, n_heads, bool(causal), scale,
                                       compute_dtype)
