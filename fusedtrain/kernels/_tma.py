@@ -88,9 +88,11 @@ def _hopper(device: torch.device) -> bool:
 def tma_aligned(t: torch.Tensor) -> bool:
     """A 16-byte aligned base, unit stride in the last dimension and 16-byte multiples for
     the other strides: what a TMA descriptor needs of its tensor."""
+    strides = t.stride()
+    if strides[-1] != 1 or t.data_ptr() & 15:
+        return False
     size = t.element_size()
-    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
-            and all(s * size % 16 == 0 for s in t.stride()[:-1]))
+    return all(s * size % 16 == 0 for s in strides[:-1])
 
 
 def tma_ok(*operands: torch.Tensor) -> bool:
