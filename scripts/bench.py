@@ -173,7 +173,8 @@ def main(argv=None) -> int:
         if args.calls < 1:
             print("bench.py host: --calls must be >= 1", file=sys.stderr)
             return 2
-        unknown = set(args.ops or ()) | ({args.cprofile} - {None}) - set(host.op_cases(1, 2))
+        asked = set(args.ops or ()) | ({args.cprofile} - {None})
+        unknown = asked - set(host.op_cases(1, 2))
         if unknown:
             print(f"bench.py host: unknown ops {sorted(unknown)}; known: "
                   f"{' '.join(host.op_cases(1, 2))}", file=sys.stderr)

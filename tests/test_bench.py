@@ -187,6 +187,32 @@ def test_bench_host_without_a_gpu_says_so():
     assert "needs a CUDA GPU" in r.stderr
 
 
+def test_bench_host_names_only_the_unknown_ops(monkeypatch, tmp_path, capsys):
+    """`--ops` with known names runs them; an unknown name is refused, and named alone."""
+    import importlib.util
+
+    from fusedtrain.bench import host
+
+    spec = importlib.util.spec_from_file_location("bench_script", ROOT / "scripts" / "bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(host, "op_cases", lambda B, T: dict.fromkeys(["layer_norm", "linear"]))
+    ran = []
+
+    def run_host(shapes, op_names, calls):
+        ran.append(op_names)
+        raise KeyboardInterrupt  # stop before anything needs a GPU
+
+    monkeypatch.setattr(host, "run_host", run_host)
+    monkeypatch.setattr(bench, "run_info", lambda *a: {})
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(["host", "--ops", "layer_norm", "linear", "--out", str(tmp_path)])
+    assert ran == [["layer_norm", "linear"]]
+    assert bench.main(["host", "--ops", "layer_norm", "bogus"]) == 2
+    assert "unknown ops ['bogus']" in capsys.readouterr().err
+
+
 def test_host_table_and_chart_pair_each_op_with_its_twin(tmp_path):
     """bench.py host's summary: per op and shape the fused and eager plain-loop times,
     their ratio and the kernels per call; the chart is written."""
