@@ -80,6 +80,22 @@ def _saved_activation_bytes(fn, inputs, params):
     return sum(saved.values())
 
 
+def test_fused_mlp_output_takes_an_in_place_add():
+    """The (B, T, C) output takes an in-place add as the twin's does, with the same
+    gradients (a view made inside the Function would refuse it)."""
+    F64 = torch.float64
+    x = torch.randn(2, 5, 16, dtype=F64, requires_grad=True)
+    params = [torch.randn(*s, dtype=F64, requires_grad=True)
+              for s in ((32, 16), (32,), (16, 32), (16,))]
+    grads = []
+    for fn in (ops.fused_mlp, eager.fused_mlp):
+        out = fn(x, *params)
+        out.add_(1.0)
+        grads.append(torch.autograd.grad((out * out).sum(), [x, *params]))
+    for got, want in zip(*grads):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
 def test_inference_forward_writes_no_pre_activation():
     """Without a backward to come (no_grad, or no input needing a gradient) the forward
     runs the kernel that writes y alone; results equal the training forward's."""

@@ -157,37 +157,30 @@ _apply_linear_gelu = function_apply(LinearGELUFunction)
 
 
 class FusedMLPFunction(torch.autograd.Function):
-    """y = gelu(x @ W1.T + b1) @ W2.T + b2, saving only x and h (never gelu(h)).
-    x: (..., C) -> y: (..., C_out), reshaped here rather than by the caller: a reshape
-    outside would put two more (C++) nodes in the autograd graph, each costing the
-    backward host time."""
+    """y = gelu(x @ W1.T + b1) @ W2.T + b2, saving only x and h (never gelu(h))."""
 
     @staticmethod
     def forward(ctx, x, fc_weight, fc_bias, proj_weight, proj_bias, approximate: str,
                 compute_dtype: torch.dtype | None):
         ctx.dtypes = _dtypes(fc_weight, fc_bias, proj_weight, proj_bias)
-        ctx.x_shape = x.shape
         w1, b1, w2, b2 = cast_params(compute_dtype, fc_weight, fc_bias, proj_weight, proj_bias)
-        x2 = x.reshape(-1, x.shape[-1])
-        g, h = _linear_gelu_fwd(x2, w1, b1, approximate)
-        # g is dropped here, not saved; y is F.linear's own (..., C_out) tensor, not a view
-        y = F.linear(g.view(*x.shape[:-1], g.shape[-1]), w2, b2)
-        ctx.save_for_backward(x2, w1, w2, h)
+        g, h = _linear_gelu_fwd(x, w1, b1, approximate)
+        y = F.linear(g, w2, b2)  # g is dropped here, not saved
+        ctx.save_for_backward(x, w1, w2, h)
         ctx.approximate = approximate
         return y
 
     @staticmethod
     def backward(ctx, dy: Tensor):
-        x2, w1, w2, h = ctx.saved_tensors
+        x, w1, w2, h = ctx.saved_tensors
         w1_dtype, b1_dtype, w2_dtype, b2_dtype = ctx.dtypes
         a = ctx.approximate
-        dy = dy.reshape(-1, dy.shape[-1])
         # dW2 first: its split-K partial sums are freed before dh is allocated.
         dw2 = _matmul_gelu_rhs(dy, h, a, w2_dtype)  # dy.T @ gelu(h)
         dh, db1 = _matmul_dgelu(dy, w2, h, a, b1_dtype)  # (dy @ W2) * gelu'(h)
         db2 = None if b2_dtype is None else column_sums(dy, b2_dtype)
-        return ((dh @ w1).view(ctx.x_shape), weight_grad(dh, x2, w1_dtype),
-                _none_if_empty(db1, b1_dtype), dw2, db2, None, None)
+        return (dh @ w1, weight_grad(dh, x, w1_dtype), _none_if_empty(db1, b1_dtype), dw2, db2,
+                None, None)
 
 
 _apply_fused_mlp = function_apply(FusedMLPFunction)
@@ -229,8 +222,10 @@ def fused_mlp(x: Tensor, fc_weight: Tensor, fc_bias: Tensor | None, proj_weight:
     check_linear(x, proj_weight, proj_bias, "proj_weight", "proj_bias", fc_weight.shape[0], same)
     if x.numel() == 0:
         return eager.fused_mlp(*autocast_cast(x, *params), approximate)
+    x2 = x.reshape(-1, x.shape[-1])
     if backward_wanted(x, *params):
-        return _apply_fused_mlp(x, *params, approximate, compute_dtype)
-    w1, b1, w2, b2 = cast_params(compute_dtype, *params)
-    y = F.linear(_linear_gelu_infer(x.reshape(-1, x.shape[-1]), w1, b1, approximate), w2, b2)
+        y = _apply_fused_mlp(x2, *params, approximate, compute_dtype)
+    else:
+        w1, b1, w2, b2 = cast_params(compute_dtype, *params)
+        y = F.linear(_linear_gelu_infer(x2, w1, b1, approximate), w2, b2)
     return y.view(*x.shape[:-1], proj_weight.shape[0])
