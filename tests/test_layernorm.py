@@ -84,6 +84,24 @@ def test_rows_are_read_in_place_where_their_strides_allow():
 
 
 @pytest.mark.parametrize("op", ["layer_norm", "add_layer_norm"])
+def test_outputs_take_an_in_place_add(op):
+    """The normalised (B, T, C) output is a tensor of its own, not a view made inside the
+    Function: it takes an in-place add as the twin's does, with the same gradients. (The
+    residual stream output s is saved for backward, in both.)"""
+    x, w, b = _inputs((2, 3, 8))
+    args = [x, w, b] if op == "layer_norm" else [x, torch.randn_like(x), w, b]
+    grads = []
+    for fn in (getattr(ops, op), getattr(eager, op)):
+        outs = fn(*args)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        outs[0].add_(1.0)
+        loss = sum((o * o).sum() for o in outs)
+        grads.append(torch.autograd.grad(loss, [x, w, b]))
+    for got, want in zip(*grads):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "add_layer_norm"])
 def test_strided_inputs_and_gradients_match_eager(op):
     """Inputs and output gradients of several layouts (a slice of wider rows, every other
     row, a transpose, a broadcast residual) give the eager twin's values and gradients."""
