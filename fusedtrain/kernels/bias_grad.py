@@ -86,7 +86,7 @@ def bias_grad(g: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor
 def column_sums(g: torch.Tensor, out: torch.Tensor) -> None:
     """out (N values, contiguous) = g.sum(0) for g (M, N) of unit column stride and at most
     2048 rows (a buffer of partial sums): one program per 32 columns reads them whole,
-    accumulating in fp32 (fp64 for fp64 g), and rounds once to out's dtype."""
+    accumulating in fp32 (fp64 for fp64 g), and writes them once in out's dtype."""
     M, N = g.shape
     s_gm = g.stride(0)
 

@@ -388,7 +388,7 @@ def layer_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | Non
     asked: add_layer_norm's two inputs may differ in dtype, and a separate cast would
     re-read dx); sums (2, C) holds the dW and db sums (each meaningful only if that
     parameter exists), reduced together in one launch, in fp32 (fp64 for fp64 x) or
-    sums_dtype (rounded once by that launch: no cast kernel for parameters of that dtype),
+    sums_dtype (written in it by that launch: no cast kernel for parameters of that dtype),
     and with dx_sums a third row, dx's column sums (add_layer_norm's x_bias gradient).
     With `rms`, RMSNorm's (see layer_norm_fwd)."""
     key = (x.shape, x.stride(), dy.stride(), x.device, dy.dtype, x.dtype,
