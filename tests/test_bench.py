@@ -215,18 +215,19 @@ def test_bench_host_names_only_the_unknown_ops(monkeypatch, tmp_path, capsys):
 
 def test_host_table_and_chart_pair_each_op_with_its_twin(tmp_path):
     """bench.py host's summary: per op and shape the fused and eager plain-loop times,
-    their ratio and the kernels per call; the chart is written."""
+    their ratio (and the ratio with the backward on one thread), the kernels per call;
+    the chart is written."""
     from fusedtrain.bench import host
 
-    rows = [{"op": "layer_norm", "shape": s, "variant": v, "plain_us": us, "gpu_us": g,
-             "kernels": k}
-            for s, v, us, g, k in (("tiny", "fused", 90.0, 11.0, 3),
-                                   ("tiny", "eager", 120.0, 9.0, 3),
-                                   ("gpt2", "fused", 130.0, 48.0, 3),
-                                   ("gpt2", "eager", 170.0, 90.0, 3))]
+    rows = [{"op": "layer_norm", "shape": s, "variant": v, "plain_us": us, "plain_st_us": st,
+             "gpu_us": g, "kernels": k}
+            for s, v, us, st, g, k in (("tiny", "fused", 90.0, 60.0, 11.0, 3),
+                                       ("tiny", "eager", 120.0, 50.0, 9.0, 3),
+                                       ("gpt2", "fused", 130.0, 100.0, 48.0, 3),
+                                       ("gpt2", "eager", 170.0, 150.0, 90.0, 3))]
     table = host.host_table(rows).splitlines()
     assert len(table) == 3
-    assert table[1].split()[:5] == ["layer_norm", "tiny", "90.0", "120.0", "0.75"]
+    assert table[1].split()[:6] == ["layer_norm", "tiny", "90.0", "120.0", "0.75", "1.20"]
     host.plot_host(rows, tmp_path / "host.png", "title")
     assert (tmp_path / "host.png").stat().st_size > 0
 
@@ -435,3 +436,21 @@ def test_python_speed_grows_with_the_work_an_iteration_does(monkeypatch):
     plain = host_load.python_speed_ns(2000, 3)
     monkeypatch.setattr(host_load, "_probe_call", lambda a, key=0: sum(range(300)))
     assert host_load.python_speed_ns(2000, 3) > 3 * plain > 0
+
+
+def test_interleaved_blocks_alternate_the_runs_and_take_each_median(monkeypatch):
+    """bench.py host times an op's fused and eager loops in alternating blocks (the host's
+    speed can change between them), each figure the median of its blocks."""
+    from fusedtrain.bench import host
+
+    order, speeds = [], {"a": iter([5.0, 1.0, 3.0, 9.0]), "b": iter([2.0, 4.0, 6.0, 8.0])}
+
+    def plain_loop_us(run, calls):
+        order.append((run(), calls))
+        return next(speeds[order[-1][0]])
+
+    monkeypatch.setattr(host, "plain_loop_us", plain_loop_us)
+    got = host._interleaved_us({"a": lambda: "a", "b": lambda: "b"}, 40, blocks=4)
+    assert order == [("a", 10), ("b", 10), ("b", 10), ("a", 10),
+                     ("a", 10), ("b", 10), ("b", 10), ("a", 10)]
+    assert got == {"a": 5.0, "b": 6.0}

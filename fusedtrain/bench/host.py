@@ -3,9 +3,14 @@
 Per op and shape, in one process, bf16 on the GPU: the plain-loop time of one forward +
 backward (host and GPU together, as a user's loop runs it: `torch.autograd.grad` with
 autograd's default threads), which at the tiny shape, where the GPU idles, is the host's
-cost; the GPU time of the same call replayed as a CUDA graph; and which kernels one
-call launches (torch.profiler's CUDA kernel events, by name). Rows go to JSON, and a chart shows the
-host-bound times fused beside eager.
+cost; the same with the backward on the calling thread (what autograd's hand-over to its
+device thread adds is the difference); the GPU time of the same call replayed as a CUDA
+graph; and which kernels one call launches (torch.profiler's CUDA kernel events, by name).
+The fused and eager loops of an op run in alternating blocks, so that a change in the
+host's speed (the lent hosts' Python speed moves by up to 2x between phases) falls on
+both. The row `function_floor` is an autograd.Function that launches nothing, beside
+F.layer_norm: the host cost under which no fused op written as one can go. Rows go to
+JSON, and a chart shows the host-bound times fused beside eager.
 """
 
 from __future__ import annotations
@@ -55,7 +60,23 @@ def op_cases(B: int, T: int) -> dict[str, tuple[Callable, Callable, list]]:
                                  [x.view(B * T, C), head_w, targets]),
         "embedding": (ops.embedding, eager.embedding, [idx, head_w]),
         "gpt_embedding": (ops.gpt_embedding, eager.gpt_embedding, [idx, head_w, wpe]),
+        "function_floor": (_FloorFunction.apply, eager.layer_norm, [x, w, b]),
     }
+
+
+class _FloorFunction(torch.autograd.Function):
+    """LayerNorm's interface with no work: saves x and weight, returns an uninitialised
+    x-shaped output and three uninitialised gradients. Timed beside F.layer_norm."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        return torch.empty_like(x)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        return torch.empty_like(x), torch.empty_like(weight), torch.empty_like(weight)
 
 
 def _output_grads(fn: Callable, inputs: list) -> list[torch.Tensor]:
@@ -105,30 +126,59 @@ def kernels_of_a_call(run: Callable[[], None]) -> list[str]:
             and not e.name.startswith(("Memset", "Memcpy"))]
 
 
+def _interleaved_us(runs: dict[str, Callable[[], None]], calls: int,
+                    blocks: int = 6) -> dict[str, float]:
+    """Per named run, the median over `blocks` plain-loop blocks of calls // blocks calls,
+    the runs' blocks alternating (in turned order every other block)."""
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    order = list(runs)
+    for block in range(blocks):
+        for name in order if block % 2 == 0 else order[::-1]:
+            times[name].append(plain_loop_us(runs[name], max(1, calls // blocks)))
+    return {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
+
+
+def _single_threaded(run: Callable[[], None]) -> Callable[[], None]:
+    """run with autograd's backward on the calling thread."""
+
+    def st():
+        with torch.autograd.set_multithreading_enabled(False):
+            run()
+
+    return st
+
+
 def run_host(shapes: list[str], op_names: list[str] | None, calls: int) -> list[dict]:
-    """One row per (op, shape, variant): plain_us, gpu_us, kernels. Every plain loop runs
-    before any graph is captured: plain loops timed after captures in the same process
-    ran up to 2.4x slower on an H200 (docs/journal.md)."""
+    """One row per (op, shape, variant): plain_us, plain_st_us, gpu_us, kernels. Every
+    plain loop runs before any graph is captured: plain loops timed after captures in the
+    same process ran up to 2.4x slower on an H200 (docs/journal.md)."""
     rows, runs = [], []
     for shape in shapes:
         B, T = SHAPES[shape]
         cases = op_cases(B, T)
         for name in op_names or list(cases):
             fused, twin, inputs = cases[name]
+            n = calls if shape == "tiny" else max(12, calls // 10)
+            # Leaves of its own for each measurement: autograd keeps a leaf's gradient
+            # node, with the stream it was made on, which a graph capture cannot use.
+            loops = {}
+            for variant, fn in (("fused", fused), ("eager", twin)):
+                run = fwd_bwd(fn, _fresh(inputs), _output_grads(fn, inputs))
+                loops[variant] = run
+                loops[variant + "/st"] = _single_threaded(run)
+            timed = _interleaved_us(loops, 2 * n)
             for variant, fn in (("fused", fused), ("eager", twin)):
                 grads = _output_grads(fn, inputs)
-                n = calls if shape == "tiny" else max(10, calls // 10)
-                # Leaves of its own for each measurement: autograd keeps a leaf's gradient
-                # node, with the stream it was made on, which a graph capture cannot use.
                 row = {"op": name, "shape": shape, "B": B, "T": T, "C": WIDTH,
-                       "variant": variant,
-                       "plain_us": plain_loop_us(fwd_bwd(fn, _fresh(inputs), grads), n),
+                       "variant": variant, "plain_us": timed[variant],
+                       "plain_st_us": timed[variant + "/st"],
                        "kernel_names": kernels_of_a_call(fwd_bwd(fn, _fresh(inputs), grads))}
                 row["kernels"] = len(row["kernel_names"])
                 rows.append(row)
                 runs.append(fwd_bwd(fn, _fresh(inputs), grads))
                 print(f"{name:22s} {shape:5s} {variant:6s} plain {row['plain_us']:8.1f} us  "
-                      f"kernels {row['kernels']}", flush=True)
+                      f"one thread {row['plain_st_us']:8.1f} us  kernels {row['kernels']}",
+                      flush=True)
     for row, run in zip(rows, runs):
         row["gpu_us"] = graph_us(run)
         print(f"{row['op']:22s} {row['shape']:5s} {row['variant']:6s} GPU "
@@ -137,14 +187,16 @@ def run_host(shapes: list[str], op_names: list[str] | None, calls: int) -> list[
 
 
 def host_table(rows: list[dict]) -> str:
-    """Per op and shape: plain-loop and GPU us, fused and eager, and fused / eager."""
+    """Per op and shape: plain-loop and GPU us, fused and eager, and fused / eager (also
+    with the backward on the calling thread: `1-thread`)."""
     by = {(r["op"], r["shape"], r["variant"]): r for r in rows}
     lines = [f"{'op':22s} {'shape':5s} {'fused us':>9s} {'eager us':>9s} {'ratio':>6s} "
-             f"{'fused GPU':>9s} {'eager GPU':>9s} {'kernels f/e':>11s}"]
+             f"{'1-thread':>9s} {'fused GPU':>9s} {'eager GPU':>9s} {'kernels f/e':>11s}"]
     for op, shape in dict.fromkeys((r["op"], r["shape"]) for r in rows):
         f, e = by[(op, shape, "fused")], by[(op, shape, "eager")]
         lines.append(f"{op:22s} {shape:5s} {f['plain_us']:9.1f} {e['plain_us']:9.1f} "
-                     f"{f['plain_us'] / e['plain_us']:6.2f} {f['gpu_us']:9.1f} "
+                     f"{f['plain_us'] / e['plain_us']:6.2f} "
+                     f"{f['plain_st_us'] / e['plain_st_us']:9.2f} {f['gpu_us']:9.1f} "
                      f"{e['gpu_us']:9.1f} {f['kernels']:>5d}/{e['kernels']:<5d}")
     return "\n".join(lines)
 

@@ -134,12 +134,22 @@ def k_splits(tiles: int, K: int, device: torch.device, per_sm: int = 1) -> int:
 
 
 def launch(kernel, work_items: int, device: torch.device, *args, config: TmaConfig,
-           programs: int | None = None, **constexprs) -> None:
+           programs: int | None = None, key=None, **constexprs) -> None:
     """Launch a persistent TMA kernel: `programs` programs (default config.programs(...)),
-    with config's tile shape and warps."""
-    enable_device_descriptors()
-    grid = (programs or config.programs(work_items, device),)
-    kernel[grid](*args, **constexprs, **config.meta())
+    with config's tile shape and warps. With a `key` (see FastLaunch.planned: it must
+    determine the grid, the config, the constexprs and every integer argument), the launch
+    is planned once under it."""
+
+    def plan():
+        enable_device_descriptors()
+        return (programs or config.programs(work_items, device),), {**constexprs,
+                                                                    **config.meta()}
+
+    if key is None:
+        grid, kwargs = plan()
+        kernel[grid](*args, **kwargs)
+    else:
+        kernel.planned(key, args, plan)
 
 
 @device_fn

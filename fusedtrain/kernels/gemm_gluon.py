@@ -53,12 +53,23 @@ ACC_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_ct
                                                     instr_shape=[16, BN, 16]))
 
 
-def launch(kernel, M: int, N: int, device: torch.device, *args, **constexprs) -> None:
-    """One CTA per SM (at most one per output tile) of 4 + 4 + 1 warps."""
-    enable_device_descriptors()
-    tiles = ceil_div(M, BM.value) * ceil_div(N, BN.value)
-    kernel[(min(tiles, sm_count(device)),)](*args, **constexprs, num_warps=4,
-                                            maxnreg=_MAXNREG)
+def launch(kernel, M: int, N: int, device: torch.device, *args, key=None,
+           **constexprs) -> None:
+    """One CTA per SM (at most one per output tile) of 4 + 4 + 1 warps. With a `key` (see
+    FastLaunch.planned: it must determine M, N, the constexprs and every integer argument),
+    the launch is planned once under it."""
+
+    def plan():
+        enable_device_descriptors()
+        tiles = ceil_div(M, BM.value) * ceil_div(N, BN.value)
+        return (min(tiles, sm_count(device)),), dict(constexprs, num_warps=4,
+                                                      maxnreg=_MAXNREG)
+
+    if key is None:
+        grid, kwargs = plan()
+        kernel[grid](*args, **kwargs)
+    else:
+        kernel.planned(key, args, plan)
 
 
 @gluon.jit

@@ -20,6 +20,8 @@ sm_90 GPU the forward and dGELU GEMMs run instead as warp-specialised Gluon kern
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
@@ -264,9 +266,59 @@ def _matmul_gelu_rhs_tma_kernel(
 # buffer 1/64 of dh (256 rows at 16384 tokens: one short column-sum launch).
 _GELU_BWD_TILE = (64, 128)
 
+# A launcher's call signature (the operands' shapes, strides and dtypes, whether all are
+# 16-byte aligned, the device, the flags) -> its path (Gluon, TMA or pointer kernel) and
+# what follows from it (tiles, constexprs, split-K): decided once a signature, since
+# gluon_ok and tma_ok read every operand's strides and address and the split-K choice the
+# SM count. Each launch is then planned under the same key (FastLaunch.planned). A call
+# with a tuning `config` is neither planned nor kept.
+_PLANS: dict[tuple, tuple] = {}
+
+
+def _signature(name: str, *operands: torch.Tensor) -> tuple:
+    aligned = 0
+    key = [name, operands[0].device]
+    for t in operands:
+        key += (t.shape, t.stride(), t.dtype)
+        aligned |= t.data_ptr()
+    key.append(aligned & 15 == 0)
+    return tuple(key)
+
+
+def _plan(key: tuple | None, make: Callable[[], tuple]) -> tuple:
+    if key is None:
+        return make()
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _PLANS[key] = make()
+    return plan
+
+
+def _launch_pointer(kernel, key: tuple | None, grid, args: tuple, flags: dict) -> None:
+    """An autotuned pointer-GEMM launch, planned under key (if any)."""
+    if key is None:
+        kernel[grid](*args, **flags)
+    else:
+        kernel.planned(key, args, lambda: (grid, flags))
+
 
 def _gemm_grid(M: int, N: int):
     return lambda meta: (ceil_div(M, meta["BLOCK_M"]) * ceil_div(N, meta["BLOCK_N"]),)
+
+
+def _fwd_plan(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, has_bias: bool,
+              approximate: str, store_h: bool, config: TmaConfig | None) -> tuple:
+    """(path, constexprs, TMA config or None) of linear_gelu_fwd."""
+    K, N = x.shape[1], weight.shape[0]
+    flags = dict(HAS_BIAS=has_bias, STORE_H=store_h, **gemm_flags(x, approximate))
+    # The warp-specialised kernel where measured faster: at N >= K (H200: 141 against 159
+    # us at 16384 x 768 x 3072, 886 against 914-1171 at 16384 x 2048 x 8192); at
+    # 16384 x 3072 x 768 it took 136 us against the Triton kernel's 124-126.
+    if config is None and N >= K and gluon_ok(x, weight, y):
+        return "gluon", flags, None
+    if tma_ok(x, weight, y):
+        return "tma", flags, config or tma_config(N)
+    return "pointer", flags, None
 
 
 def linear_gelu_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -276,38 +328,46 @@ def linear_gelu_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     `config` overrides the TMA tile table (for tuning)."""
     M, K = x.shape
     N = weight.shape[0]
-    y = torch.empty((M, N), device=x.device, dtype=x.dtype)
-    h = torch.empty_like(y) if store_h else None
+    y = torch.empty(M, N, device=x.device, dtype=x.dtype)
+    h = torch.empty(M, N, device=x.device, dtype=x.dtype) if store_h else None
     h_arg = h if store_h else y  # never written when STORE_H is off
     b_arg = bias if bias is not None else x
-    flags = dict(HAS_BIAS=bias is not None, STORE_H=store_h, **gemm_flags(x, approximate))
-    # The warp-specialised kernel where measured faster: at N >= K (H200: 141 against 159
-    # us at 16384 x 768 x 3072, 886 against 914-1171 at 16384 x 2048 x 8192); at
-    # 16384 x 3072 x 768 it took 136 us against the Triton kernel's 124-126.
-    if config is None and N >= K and gluon_ok(x, weight, y):
+    key = None if config else (*_signature("fwd", x, weight), bias is None, approximate,
+                               store_h)
+    path, flags, cfg = _plan(key, lambda: _fwd_plan(x, weight, y, bias is not None,
+                                                    approximate, store_h, config))
+    if path == "gluon":
         from fusedtrain.kernels import linear_gelu_gluon  # Gluon: imported where it compiles
 
-        linear_gelu_gluon.linear_gelu_fwd(x, weight, bias, y, h, flags["APPROX"])
-        return y, h
-    if tma_ok(x, weight, y):
-        cfg = config or tma_config(N)
+        linear_gelu_gluon.linear_gelu_fwd(x, weight, bias, y, h, flags["APPROX"], key)
+    elif path == "tma":
         tiles = ceil_div(M, cfg.block_m) * ceil_div(N, cfg.block_n)
         launch(_linear_gelu_fwd_tma_kernel, tiles, x.device,
                x, weight, b_arg, y, h_arg, M, N, K,
-               x.stride(0), weight.stride(0), y.stride(0), h_arg.stride(0), config=cfg, **flags)
-        return y, h
-    _linear_gelu_fwd_kernel[_gemm_grid(M, N)](
-        x, weight, b_arg, y, h_arg, M, N, K,
-        x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
-        y.stride(0), y.stride(1), h_arg.stride(0), h_arg.stride(1), **flags)
+               x.stride(0), weight.stride(0), N, N, config=cfg, key=key, **flags)
+    else:
+        _launch_pointer(_linear_gelu_fwd_kernel, key, _gemm_grid(M, N), (
+            x, weight, b_arg, y, h_arg, M, N, K, x.stride(0), x.stride(1),
+            weight.stride(0), weight.stride(1), N, 1, N, 1), flags)
     return y, h
 
 
 def _tile_column_sums(dh: torch.Tensor, block_m: int) -> torch.Tensor:
     """The buffer of dh's column sums per block_m rows that a dGELU kernel writes:
     (cdiv(M, block_m), N) in dh's statistics dtype (fp32; fp64 for fp64)."""
-    return torch.empty((ceil_div(dh.shape[0], block_m), dh.shape[1]), device=dh.device,
+    return torch.empty(ceil_div(dh.shape[0], block_m), dh.shape[1], device=dh.device,
                        dtype=stat_dtype(dh))
+
+
+def _dgelu_plan(dy: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, approximate: str,
+                config: TmaConfig | None) -> tuple:
+    """(path, constexprs, TMA config or None) of matmul_dgelu."""
+    flags = gemm_flags(dy, approximate)
+    if config is None and gluon_ok(dy, w2, h):
+        return "gluon", flags, None
+    if tma_ok(dy, w2, h):
+        return "tma", flags, config or tma_config(w2.shape[1])
+    return "pointer", flags, None
 
 
 def matmul_dgelu(dy: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, approximate: str,
@@ -321,28 +381,52 @@ def matmul_dgelu(dy: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, approximat
     pointer version sums dh afterwards."""
     M, K = dy.shape
     N = w2.shape[1]
-    dh = torch.empty((M, N), device=dy.device, dtype=dy.dtype)
-    flags = gemm_flags(dy, approximate)
+    dh = torch.empty(M, N, device=dy.device, dtype=dy.dtype)
     col_sums = sums_dtype is not None
-    if config is None and gluon_ok(dy, w2, h):
+    key = None if config else (*_signature("dgelu", dy, w2, h), approximate, col_sums)
+    path, flags, cfg = _plan(key, lambda: _dgelu_plan(dy, w2, h, approximate, config))
+    if path == "gluon":
         from fusedtrain.kernels import gemm_gluon, linear_gelu_gluon
 
         parts = _tile_column_sums(dh, gemm_gluon.BM.value) if col_sums else None
-        linear_gelu_gluon.matmul_dgelu(dy, w2, h, dh, parts, flags["APPROX"])
+        linear_gelu_gluon.matmul_dgelu(dy, w2, h, dh, parts, flags["APPROX"], key)
         return dh, bias_grad(parts, sums_dtype) if col_sums else None
-    if tma_ok(dy, w2, h):
-        cfg = config or tma_config(N)
+    if path == "tma":
         tiles = ceil_div(M, cfg.block_m) * ceil_div(N, cfg.block_n)
         parts = _tile_column_sums(dh, cfg.block_m) if col_sums else dh  # dh: never written
         launch(_matmul_dgelu_tma_kernel, tiles, dy.device, dy, w2, h, dh, parts, M, N, K,
-               dy.stride(0), w2.stride(0), h.stride(0), dh.stride(0), config=cfg,
+               dy.stride(0), w2.stride(0), h.stride(0), N, config=cfg, key=key,
                COL_SUMS=col_sums, **flags)
         return dh, bias_grad(parts, sums_dtype) if col_sums else None
-    _matmul_dgelu_kernel[_gemm_grid(M, N)](
-        dy, w2, h, dh, M, N, K,
-        dy.stride(0), dy.stride(1), w2.stride(0), w2.stride(1),
-        h.stride(0), h.stride(1), dh.stride(0), dh.stride(1), **flags)
+    _launch_pointer(_matmul_dgelu_kernel, key, _gemm_grid(M, N), (
+        dy, w2, h, dh, M, N, K, dy.stride(0), dy.stride(1), w2.stride(0), w2.stride(1),
+        h.stride(0), h.stride(1), N, 1), flags)
     return dh, bias_grad(dh, sums_dtype) if col_sums else None
+
+
+def _gelu_rhs_plan(dy: torch.Tensor, h: torch.Tensor, approximate: str,
+                   out_dtype: torch.dtype, splits: int | None,
+                   config: TmaConfig | None) -> tuple:
+    """(use_tma, config, tiles, splits, k_split, stream_k, partial-sum dtype, constexprs,
+    programs) of matmul_gelu_rhs."""
+    K, M = dy.shape
+    N = h.shape[1]
+    # With h TMA-aligned and dy of its dtype, an (S, M, N) output of dy's or a wider dtype
+    # is TMA-aligned too.
+    use_tma = tma_ok(dy, h) and dy.dtype == h.dtype
+    cfg = config or tma_config(M)
+    tiles = (ceil_div(N, cfg.block_m) * ceil_div(M, cfg.block_n) if use_tma
+             else ceil_div(M, 128) * ceil_div(N, 128))
+    splits = splits or k_splits(tiles, K, dy.device, cfg.per_sm if use_tma else 1)
+    k_split = ceil_div(ceil_div(K, splits), 128) * 128  # a multiple of any BLOCK_K
+    splits = ceil_div(K, k_split)
+    stream_k = use_tma and splits > 1 and not torch.are_deterministic_algorithms_enabled()
+    part_dtype = out_dtype if splits == 1 else stat_dtype(dy)
+    # Under the interpreter (one program by default) one program a slice, so that the
+    # stream-K runs end inside tiles there too.
+    programs = splits if INTERPRET and stream_k else None
+    return (use_tma, cfg, tiles, splits, k_split, stream_k, part_dtype,
+            gemm_flags(dy, approximate), programs)
 
 
 def matmul_gelu_rhs(dy: torch.Tensor, h: torch.Tensor, approximate: str,
@@ -357,34 +441,24 @@ def matmul_gelu_rhs(dy: torch.Tensor, h: torch.Tensor, approximate: str,
     slice writes its own partial sum and the host adds them."""
     K, M = dy.shape
     N = h.shape[1]
-    # With h TMA-aligned and dy of its dtype, an (S, M, N) output of dy's or a wider dtype
-    # is TMA-aligned too.
-    use_tma = tma_ok(dy, h) and dy.dtype == h.dtype
-    cfg = config or tma_config(M)
-    tiles = (ceil_div(N, cfg.block_m) * ceil_div(M, cfg.block_n) if use_tma
-             else ceil_div(M, 128) * ceil_div(N, 128))
-    splits = splits or k_splits(tiles, K, dy.device, cfg.per_sm if use_tma else 1)
-    k_split = ceil_div(ceil_div(K, splits), 128) * 128  # a multiple of any BLOCK_K
-    splits = ceil_div(K, k_split)
-    stream_k = use_tma and splits > 1 and not torch.are_deterministic_algorithms_enabled()
     out_dtype = out_dtype or dy.dtype
-    part_dtype = out_dtype if splits == 1 else stat_dtype(dy)
+    key = None if config else (*_signature("gelu_rhs", dy, h), approximate, out_dtype, splits,
+                               torch.are_deterministic_algorithms_enabled())
+    use_tma, cfg, tiles, splits, k_split, stream_k, part_dtype, flags, programs = _plan(
+        key, lambda: _gelu_rhs_plan(dy, h, approximate, out_dtype, splits, config))
     if stream_k:
-        out = torch.zeros((1, M, N), device=dy.device, dtype=part_dtype)
+        out = torch.zeros(1, M, N, device=dy.device, dtype=part_dtype)
     else:
-        out = torch.empty((splits, M, N), device=dy.device, dtype=part_dtype)
-    flags = gemm_flags(dy, approximate)
+        out = torch.empty(splits, M, N, device=dy.device, dtype=part_dtype)
     if use_tma:
-        # Under the interpreter (one program by default) one program a slice, so that the
-        # stream-K runs end inside tiles there too.
-        programs = splits if INTERPRET and stream_k else None
         launch(_matmul_gelu_rhs_tma_kernel, tiles * splits, dy.device, h, dy, out,
-               M, N, K, k_split, splits, h.stride(0), dy.stride(0), out.stride(0), out.stride(1),
-               config=cfg, programs=programs, STREAM_K=stream_k, **flags)
+               M, N, K, k_split, splits, h.stride(0), dy.stride(0), M * N, N,
+               config=cfg, programs=programs, key=key, STREAM_K=stream_k, **flags)
     else:
-        _matmul_gelu_rhs_kernel[lambda meta: (_gemm_grid(M, N)(meta)[0], splits)](
-            dy, h, out, M, N, K, k_split,
-            dy.stride(1), dy.stride(0), h.stride(0), h.stride(1), *out.stride(), **flags)
+        _launch_pointer(_matmul_gelu_rhs_kernel, key,
+                        lambda meta: (_gemm_grid(M, N)(meta)[0], splits), (
+                            dy, h, out, M, N, K, k_split, dy.stride(1), dy.stride(0),
+                            h.stride(0), h.stride(1), M * N, N, 1), flags)
     if splits == 1:
         return out[0]
     return (out[0] if stream_k else out.sum(0)).to(out_dtype)
@@ -394,14 +468,20 @@ def gelu_bwd(dy: torch.Tensor, h: torch.Tensor, approximate: str,
              sums_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """dy, h: (M, N) -> (dh, db): dh = dy * gelu'(h), and with a sums_dtype db = dh.sum(0):
     (N,) in it (accumulated in fp32, fp64), from the kernel's tiles, else None."""
-    dy, h = (t if t.stride(-1) == 1 else t.contiguous() for t in (dy, h))
+    if dy.stride(-1) != 1:
+        dy = dy.contiguous()
+    if h.stride(-1) != 1:
+        h = h.contiguous()
     M, N = h.shape
-    dh = torch.empty((M, N), device=h.device, dtype=h.dtype)
+    dh = torch.empty(M, N, device=h.device, dtype=h.dtype)
     block_m, block_n = _GELU_BWD_TILE
     col_sums = sums_dtype is not None
     parts = _tile_column_sums(dh, block_m) if col_sums else dh  # dh: never written as parts
-    _gelu_bwd_kernel[(ceil_div(M, block_m), ceil_div(N, block_n))](
-        dy, h, dh, parts, M, N, dy.stride(0), h.stride(0), dh.stride(0), COL_SUMS=col_sums,
-        APPROX=gelu_mode(approximate, h), ACC=acc_dtype(h), BLOCK_M=block_m, BLOCK_N=block_n,
-        num_warps=8)
+    s_dy, s_h = dy.stride(0), h.stride(0)
+    _gelu_bwd_kernel.planned(
+        (M, N, s_dy, s_h, dy.dtype, h.dtype, col_sums, approximate),
+        (dy, h, dh, parts, M, N, s_dy, s_h, N),
+        lambda: ((ceil_div(M, block_m), ceil_div(N, block_n)), dict(
+            COL_SUMS=col_sums, APPROX=gelu_mode(approximate, h), ACC=acc_dtype(h),
+            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=8)))
     return dh, bias_grad(parts, sums_dtype) if col_sums else None

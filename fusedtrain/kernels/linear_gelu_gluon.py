@@ -120,26 +120,27 @@ def _matmul_dgelu_ws_kernel(dy_ptr, w_ptr, h_ptr, dh_ptr, part_ptr, M, N, K, s_d
 
 
 def linear_gelu_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                    y: torch.Tensor, h: torch.Tensor | None, approx: int) -> None:
+                    y: torch.Tensor, h: torch.Tensor | None, approx: int, key=None) -> None:
     """x: (M, K), weight: (N, K), bias: (N,) -> y = gelu(x @ W.T + b) and, unless h is None,
-    h = x @ W.T + b, written into y and h: (M, N). approx: a GeluMode value (kernels.gelu)."""
+    h = x @ W.T + b, written into y and h: (M, N). approx: a GeluMode value (kernels.gelu);
+    key: the call's signature, to plan the launch under (gemm_gluon.launch)."""
     M, K = x.shape
     N = weight.shape[0]
     h_arg = y if h is None else h  # never written without STORE_H
     launch(_linear_gelu_fwd_ws_kernel, M, N, x.device, x, weight,
            y if bias is None else bias, y, h_arg, M, N, K,
            x.stride(0), weight.stride(0), y.stride(0), h_arg.stride(0),
-           HAS_BIAS=bias is not None, STORE_H=h is not None, APPROX=approx)
+           key=key, HAS_BIAS=bias is not None, STORE_H=h is not None, APPROX=approx)
 
 
 def matmul_dgelu(dy: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, dh: torch.Tensor,
-                 parts: torch.Tensor | None, approx: int) -> None:
+                 parts: torch.Tensor | None, approx: int, key=None) -> None:
     """dy: (M, K), w2: (K, N), h: (M, N) -> dh = (dy @ w2) * gelu'(h) written into dh: (M, N),
     and unless parts is None, dh's column sums per BM rows into parts: (cdiv(M, BM), N)
-    fp32 (before dh's rounding)."""
+    fp32 (before dh's rounding). key: as linear_gelu_fwd's."""
     M, K = dy.shape
     N = w2.shape[1]
     launch(_matmul_dgelu_ws_kernel, M, N, dy.device, dy, w2, h, dh,
            dh if parts is None else parts, M, N, K,
            dy.stride(0), w2.stride(0), h.stride(0), dh.stride(0),
-           COL_SUMS=parts is not None, APPROX=approx)
+           key=key, COL_SUMS=parts is not None, APPROX=approx)
