@@ -235,3 +235,24 @@ def test_gpu_linear_cross_entropy_bf16_at_gpt2_vocabulary():
     check_against_oracle(lambda a, b: ops.linear_cross_entropy(a, b, t),
                          lambda a, b: eager.linear_cross_entropy(a, b, t), [x, w], 1e-5, 1e-7,
                          "linear_cross_entropy")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_kept_mean_over_rows_past_one_block(dtype):
+    """The forward's mean loss and the backward's 1 / count come from one launch: rows past
+    the kernel's first block, ignored rows anywhere (their losses are 0); every row ignored
+    gives NaN and inf, as loss.sum() / count did."""
+    from fusedtrain.kernels import cross_entropy as K
+
+    M = 2500
+    loss = torch.rand(M, dtype=dtype)
+    t = torch.randint(0, 50, (M,))
+    t[torch.randperm(M)[:700]] = -100
+    loss[t == -100] = 0
+    mean, inv = K.kept_mean(loss, t, -100)
+    kept = (t != -100).sum()
+    torch.testing.assert_close(mean, loss.sum() / kept)
+    torch.testing.assert_close(inv, (1 / kept).to(dtype))
+    assert mean.dtype == inv.dtype == dtype and mean.shape == inv.shape == ()
+    mean, inv = K.kept_mean(torch.zeros(5, dtype=dtype), torch.full((5,), 7), 7)
+    assert torch.isnan(mean) and torch.isinf(inv)

@@ -104,6 +104,25 @@ def _ce_bwd_kernel(logits_ptr, target_ptr, lse_ptr, g_ptr, dlogits_ptr, V, s_row
 
 @fast_launch
 @triton.jit
+def _kept_mean_kernel(loss_ptr, target_ptr, mean_ptr, inv_ptr, M, ignore_index,
+                      ACC: tl.constexpr, BLOCK: tl.constexpr):
+    # One program: the rows' losses summed and the kept rows counted (in int32: exact), then
+    # mean = sum / count and 1 / count (0 / 0 = NaN with every row ignored, as in PyTorch).
+    total = tl.zeros((BLOCK,), ACC)
+    kept = tl.zeros((BLOCK,), tl.int32)
+    for start in tl.range(0, M, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        ok = offs < M
+        total += tl.load(loss_ptr + offs, mask=ok, other=0.0).to(ACC)  # ignored rows hold 0
+        kept += (tl.load(target_ptr + offs, mask=ok, other=ignore_index) != ignore_index).to(
+            tl.int32)
+    n = tl.sum(kept, 0).to(ACC)
+    tl.store(mean_ptr, (tl.sum(total, 0) / n).to(mean_ptr.dtype.element_ty))
+    tl.store(inv_ptr, (1.0 / n).to(inv_ptr.dtype.element_ty))
+
+
+@fast_launch
+@triton.jit
 def _scale_kernel(x_ptr, s_ptr, y_ptr, n, ACC: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
@@ -129,12 +148,30 @@ def cross_entropy_fwd(logits: torch.Tensor, targets: torch.Tensor,
     """logits: (M, V) with unit column stride, targets: (M,) int64 ->
     (loss per row, lse per row), both (M,) fp32 (fp64 for fp64 logits)."""
     M, V = logits.shape
+    s_row = logits.stride(0)
     loss = torch.empty(M, device=logits.device, dtype=stat_dtype(logits))
-    lse = torch.empty_like(loss)
-    _ce_fwd_kernel[(M,)](logits, targets, loss, lse, V, logits.stride(0), ignore_index,
-                         ACC=acc_dtype(logits), BLOCK_V=BLOCK_V if INTERPRET else _FWD_BLOCK_V,
-                         num_warps=_FWD_WARPS)
+    lse = torch.empty(M, device=logits.device, dtype=loss.dtype)
+    _ce_fwd_kernel.planned(
+        (M, V, s_row, logits.dtype, targets.dtype, ignore_index),
+        (logits, targets, loss, lse, V, s_row, ignore_index),
+        lambda: ((M,), dict(ACC=acc_dtype(logits),
+                            BLOCK_V=BLOCK_V if INTERPRET else _FWD_BLOCK_V,
+                            num_warps=_FWD_WARPS)))
     return loss, lse
+
+
+def kept_mean(loss: torch.Tensor, targets: torch.Tensor,
+              ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """loss: (M,) per row (0 on ignored rows), targets: (M,) int64 -> (the mean over the rows
+    whose target is not ignore_index, 1 / their count), both () in loss's dtype, from one
+    launch: where sum, count and division took four PyTorch kernels."""
+    M = loss.shape[0]
+    mean = torch.empty((), device=loss.device, dtype=loss.dtype)
+    inv = torch.empty((), device=loss.device, dtype=loss.dtype)
+    _kept_mean_kernel.planned(
+        (M, loss.dtype, targets.dtype, ignore_index), (loss, targets, mean, inv, M, ignore_index),
+        lambda: ((1,), dict(ACC=acc_dtype(loss), BLOCK=1024, num_warps=4)))
+    return mean, inv
 
 
 def cross_entropy_bwd(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor,
@@ -143,11 +180,13 @@ def cross_entropy_bwd(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Te
     the loss with respect to each (non-ignored) row's loss. inplace: written over the
     logits (each program reads a chunk of its row before writing the same chunk)."""
     M, V = logits.shape
-    dlogits = logits if inplace else torch.empty((M, V), device=logits.device,
+    dlogits = logits if inplace else torch.empty(M, V, device=logits.device,
                                                  dtype=logits.dtype)
-    _ce_bwd_kernel[(M,)](logits, targets, lse, g, dlogits, V, logits.stride(0),
-                         dlogits.stride(0), ignore_index, ACC=acc_dtype(logits),
-                         BLOCK_V=BLOCK_V, num_warps=8)
+    s_row, s_drow = logits.stride(0), dlogits.stride(0)
+    _ce_bwd_kernel.planned(
+        (M, V, s_row, s_drow, logits.dtype, targets.dtype, lse.dtype, g.dtype, ignore_index),
+        (logits, targets, lse, g, dlogits, V, s_row, s_drow, ignore_index),
+        lambda: ((M,), dict(ACC=acc_dtype(logits), BLOCK_V=BLOCK_V, num_warps=8)))
     return dlogits
 
 

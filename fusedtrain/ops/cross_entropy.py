@@ -34,6 +34,17 @@ def _(logits, targets, ignore_index):
     return logits.new_empty(M, dtype=stat), logits.new_empty(M, dtype=stat)
 
 
+@launcher("kept_mean")
+def _kept_mean(loss: Tensor, targets: Tensor, ignore_index: int) -> tuple[Tensor, Tensor]:
+    """(mean loss over the rows not ignored, 1 / their count): see K.kept_mean."""
+    return K.kept_mean(loss, targets, ignore_index)
+
+
+@_kept_mean.register_fake
+def _(loss, targets, ignore_index):
+    return loss.new_empty(()), loss.new_empty(())
+
+
 @launcher("cross_entropy_bwd")
 def _cross_entropy_bwd(logits: Tensor, targets: Tensor, lse: Tensor, g: Tensor,
                        ignore_index: int) -> Tensor:
@@ -73,15 +84,15 @@ class CrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: Tensor, targets: Tensor, ignore_index: int, inplace: bool):
         losses, lse = _cross_entropy_fwd(logits, targets, ignore_index)
-        count = (targets != ignore_index).sum()
-        ctx.save_for_backward(logits, targets, lse, count)
+        loss, inv_count = _kept_mean(losses, targets, ignore_index)
+        ctx.save_for_backward(logits, targets, lse, inv_count)
         ctx.ignore_index, ctx.inplace = ignore_index, inplace
-        return losses.sum() / count
+        return loss
 
     @staticmethod
     def backward(ctx, dloss: Tensor):
-        logits, targets, lse, count = ctx.saved_tensors
-        g = (dloss / count).to(lse.dtype).reshape(1)  # stays on the device: no sync
+        logits, targets, lse, inv_count = ctx.saved_tensors
+        g = dloss * inv_count  # () in the loss's dtype, on the device: no sync
         if ctx.inplace and runs_directly(logits):
             # The launcher is declared non-mutating for torch.compile and dispatch modes,
             # so the in-place form runs only when it is called directly.
