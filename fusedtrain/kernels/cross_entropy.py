@@ -104,21 +104,26 @@ def _ce_bwd_kernel(logits_ptr, target_ptr, lse_ptr, g_ptr, dlogits_ptr, V, s_row
 
 @fast_launch
 @triton.jit
-def _kept_mean_kernel(loss_ptr, target_ptr, mean_ptr, inv_ptr, M, ignore_index,
-                      ACC: tl.constexpr, BLOCK: tl.constexpr):
-    # One program: the rows' losses summed and the kept rows counted (in int32: exact), then
-    # mean = sum / count and 1 / count (0 / 0 = NaN with every row ignored, as in PyTorch).
+def _kept_rows_kernel(loss_ptr, target_ptr, mean_ptr, inv_ptr, count_ptr, M, ignore_index,
+                      HAS_LOSS: tl.constexpr, ACC: tl.constexpr, BLOCK: tl.constexpr):
+    # One program: the kept rows counted (int32: exact), written as the count and 1 / count;
+    # with HAS_LOSS also the rows' losses summed and their mean (0 / 0 = NaN with every row
+    # ignored, as in PyTorch).
     total = tl.zeros((BLOCK,), ACC)
     kept = tl.zeros((BLOCK,), tl.int32)
     for start in tl.range(0, M, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         ok = offs < M
-        total += tl.load(loss_ptr + offs, mask=ok, other=0.0).to(ACC)  # ignored rows hold 0
+        if HAS_LOSS:  # ignored rows hold 0
+            total += tl.load(loss_ptr + offs, mask=ok, other=0.0).to(ACC)
         kept += (tl.load(target_ptr + offs, mask=ok, other=ignore_index) != ignore_index).to(
             tl.int32)
-    n = tl.sum(kept, 0).to(ACC)
-    tl.store(mean_ptr, (tl.sum(total, 0) / n).to(mean_ptr.dtype.element_ty))
+    count = tl.sum(kept, 0)
+    n = count.to(ACC)
+    tl.store(count_ptr, count.to(tl.int64))
     tl.store(inv_ptr, (1.0 / n).to(inv_ptr.dtype.element_ty))
+    if HAS_LOSS:
+        tl.store(mean_ptr, (tl.sum(total, 0) / n).to(mean_ptr.dtype.element_ty))
 
 
 @fast_launch
@@ -160,17 +165,28 @@ def cross_entropy_fwd(logits: torch.Tensor, targets: torch.Tensor,
     return loss, lse
 
 
+def _kept_rows(loss: torch.Tensor | None, targets: torch.Tensor, ignore_index: int,
+               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(count (), int64; 1 / count (), dtype; mean of loss over the kept rows (), dtype, or
+    an unwritten one without loss) from one launch."""
+    M = targets.shape[0]
+    count = torch.empty((), device=targets.device, dtype=torch.int64)
+    inv = torch.empty((), device=targets.device, dtype=dtype)
+    mean = torch.empty((), device=targets.device, dtype=dtype)
+    has_loss = loss is not None
+    _kept_rows_kernel.planned(
+        (M, dtype, targets.dtype, ignore_index, has_loss),
+        (loss if has_loss else inv, targets, mean, inv, count, M, ignore_index),
+        lambda: ((1,), dict(HAS_LOSS=has_loss, ACC=acc_dtype(inv), BLOCK=1024, num_warps=4)))
+    return count, inv, mean
+
+
 def kept_mean(loss: torch.Tensor, targets: torch.Tensor,
               ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
     """loss: (M,) per row (0 on ignored rows), targets: (M,) int64 -> (the mean over the rows
     whose target is not ignore_index, 1 / their count), both () in loss's dtype, from one
     launch: where sum, count and division took four PyTorch kernels."""
-    M = loss.shape[0]
-    mean = torch.empty((), device=loss.device, dtype=loss.dtype)
-    inv = torch.empty((), device=loss.device, dtype=loss.dtype)
-    _kept_mean_kernel.planned(
-        (M, loss.dtype, targets.dtype, ignore_index), (loss, targets, mean, inv, M, ignore_index),
-        lambda: ((1,), dict(ACC=acc_dtype(loss), BLOCK=1024, num_warps=4)))
+    _, inv, mean = _kept_rows(loss, targets, ignore_index, loss.dtype)
     return mean, inv
 
 
@@ -201,7 +217,7 @@ def cross_entropy_fwd_grad(logits: torch.Tensor, targets: torch.Tensor, ignore_i
 
     On an sm_90 GPU, where cross_entropy_smem.fits, one pass with each row in shared memory
     (the logits read once); elsewhere the forward kernel, then the backward one."""
-    count = (targets != ignore_index).sum()
+    count, inv, _ = _kept_rows(None, targets, ignore_index, stat_dtype(logits))
     if gluon_ok(logits):
         from fusedtrain.kernels import cross_entropy_smem  # Gluon: imported where it compiles
 
@@ -212,5 +228,4 @@ def cross_entropy_fwd_grad(logits: torch.Tensor, targets: torch.Tensor, ignore_i
                                                       ignore_index)
             return loss, count, dlogits
     loss, lse = cross_entropy_fwd(logits, targets, ignore_index)
-    g = (1.0 / count.to(lse.dtype)).reshape(1)
-    return loss, count, cross_entropy_bwd(logits, targets, lse, g, ignore_index, inplace)
+    return loss, count, cross_entropy_bwd(logits, targets, lse, inv, ignore_index, inplace)

@@ -164,12 +164,12 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         logits = x2 @ weight.t()
         if not any(ctx.needs_input_grad[:2]):
             losses, _ = _cross_entropy_fwd(logits, targets, ignore_index)
-            return losses.sum() / (targets != ignore_index).sum()
+            return _kept_mean(losses, targets, ignore_index)[0]
         # The logits are this op's own: their gradient is written over them.
-        losses, count = _cross_entropy_fwd_grad_into(logits, targets, ignore_index)
+        losses, _ = _cross_entropy_fwd_grad_into(logits, targets, ignore_index)
         ctx.save_for_backward(x2, weight, logits)
         ctx.x_shape = x.shape
-        return losses.sum() / count
+        return _kept_mean(losses, targets, ignore_index)[0]
 
     @staticmethod
     def backward(ctx, dloss: Tensor):
