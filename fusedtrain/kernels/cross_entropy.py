@@ -109,8 +109,8 @@ def _kept_rows_kernel(loss_ptr, target_ptr, mean_ptr, inv_ptr, count_ptr, M, ign
     # One program: the kept rows counted (int32: exact), written as the count and 1 / count;
     # with HAS_LOSS also the rows' losses summed and their mean (0 / 0 = NaN with every row
     # ignored, as in PyTorch).
-    total = tl.zeros((BLOCK,), ACC)
-    kept = tl.zeros((BLOCK,), tl.int32)
+    total = tl.full((BLOCK,), 0.0, ACC)
+    kept = tl.full((BLOCK,), 0, tl.int32)
     for start in tl.range(0, M, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         ok = offs < M
@@ -118,12 +118,12 @@ def _kept_rows_kernel(loss_ptr, target_ptr, mean_ptr, inv_ptr, count_ptr, M, ign
             total += tl.load(loss_ptr + offs, mask=ok, other=0.0).to(ACC)
         kept += (tl.load(target_ptr + offs, mask=ok, other=ignore_index) != ignore_index).to(
             tl.int32)
-    count = tl.sum(kept, 0)
+    count = row_sum(kept, 0)
     n = count.to(ACC)
     tl.store(count_ptr, count.to(tl.int64))
     tl.store(inv_ptr, (1.0 / n).to(inv_ptr.dtype.element_ty))
     if HAS_LOSS:
-        tl.store(mean_ptr, (tl.sum(total, 0) / n).to(mean_ptr.dtype.element_ty))
+        tl.store(mean_ptr, (row_sum(total, 0) / n).to(mean_ptr.dtype.element_ty))
 
 
 @fast_launch
