@@ -87,9 +87,15 @@ def _sums_dtype(*params: Tensor | None) -> torch.dtype | None:
 
 
 def _param_grads(sums: Tensor, weight: Tensor | None, bias: Tensor | None):
-    """(dW, db) from the backward's (2, C) sums, in the parameters' dtypes."""
-    return (None if weight is None else sums[0].to(weight.dtype),
-            None if bias is None else sums[1].to(bias.dtype))
+    """(dW, db) from the backward's (2, C) sums, in the parameters' dtypes (cast only where
+    the sums are in another: parameters of two dtypes)."""
+    dw = None if weight is None else sums[0]
+    db = None if bias is None else sums[1]
+    if dw is not None and dw.dtype != weight.dtype:
+        dw = dw.to(weight.dtype)
+    if db is not None and db.dtype != bias.dtype:
+        db = db.to(bias.dtype)
+    return dw, db
 
 
 class LayerNormFunction(torch.autograd.Function):
@@ -105,13 +111,14 @@ class LayerNormFunction(torch.autograd.Function):
                                    rms)
         ctx.save_for_backward(x, weight, bias, stats)
         ctx.approximate, ctx.rms = approximate, rms
+        ctx.sums_dtype = _sums_dtype(weight, bias)
         return (y, x) if stream else y
 
     @staticmethod
     def backward(ctx, dy, ds=None):
         x, weight, bias, stats = ctx.saved_tensors
         dx, sums = _layer_norm_bwd(dy, x, weight, bias, stats, ds, ctx.approximate, x.dtype,
-                                   None, False, _sums_dtype(weight, bias), ctx.rms)
+                                   None, False, ctx.sums_dtype, ctx.rms)
         return (dx, *_param_grads(sums, weight, bias), None, None, None, None, None, None)
 
 
