@@ -50,3 +50,25 @@ def test_fp32_to_bf16_rounds_as_torch_does():
     nan, out = torch.full((2048,), float("nan")), torch.empty(2048, dtype=torch.bfloat16)
     _to_bf16_kernel[(1,)](nan, out, out, N=2048)
     assert out.float().isnan().all()
+
+
+def test_triton_kernels_call_no_jit_helper_of_triton_language():
+    """The Triton kernels (not the Gluon ones, which never run on the interpreter) call
+    only Triton's builtins: triton.language's own @jit helpers (tl.sum, tl.zeros, ...)
+    fail under the interpreter once triton was imported before TRITON_INTERPRET was set,
+    which only a whole test run shows (kernels._primitives restates the few needed)."""
+    import re
+    from pathlib import Path
+
+    from triton.runtime.jit import JITFunction
+
+    helpers = sorted(n for n in dir(tl) if isinstance(getattr(tl, n), JITFunction))
+    assert "sum" in helpers and "zeros" in helpers
+    call = re.compile(r"\btl\.(" + "|".join(helpers) + r")\(")
+    kernels = Path(__file__).parents[1] / "fusedtrain" / "kernels"
+    found = [f"{path.name}:{n}: {line.strip()}"
+             for path in sorted(kernels.glob("*.py"))
+             if path.name != "_primitives.py" and "from triton.experimental import gluon"
+             not in path.read_text()
+             for n, line in enumerate(path.read_text().splitlines(), 1) if call.search(line)]
+    assert not found, "\n".join(found)
