@@ -11,6 +11,8 @@
                       mean loss, (softmax - onehot) / count; on Hopper in one pass with the
                       row in shared memory (cross_entropy_smem, Gluon), so the logits are
                       read from HBM once.
+  kept_mean           one program over the rows: how many are not ignored, 1 / that
+                      count (the gradient's scale) and the mean loss over them.
 
 Rows whose target is ignore_index get loss 0 and gradient 0. The unfused path upcasts
 the (tokens x vocab) logits to fp32, writes log_softmax, and reads both back in
