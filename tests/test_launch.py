@@ -188,6 +188,25 @@ def test_a_planned_launch_skips_its_arguments_function(enabled, monkeypatch):
         kernel.planned(("n", 64), (buf, 64, 0.5), lambda: launch(block=64))
 
 
+def test_planned_without_a_key_is_the_general_path(enabled):
+    """planned(None, args, launch) asks launch() every call and launches as
+    kernel[grid](*args, **kwargs) does (the call's own signature keys its plan): what a
+    launcher given a tuning config takes."""
+    jit = _TensorJit()
+    kernel = _launch.fast_launch(jit)
+    buf, made = torch.zeros(64), []
+
+    def launch():
+        made.append(1)
+        return (4,), {"BLOCK": 128}
+
+    for _ in range(3):
+        kernel.planned(None, (buf, 64, 0.5), launch)
+    assert len(made) == 3 and len(jit.triton_calls) == 1
+    kernel[(4,)](buf, 64, 0.5, BLOCK=128)  # the plan those calls made
+    assert jit.bindings == 2
+
+
 class _DirectLauncher:
     """Triton 3.6's compiled launcher as a plan sees it: the C `launch` and its flags."""
 

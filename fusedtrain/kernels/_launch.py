@@ -104,7 +104,11 @@ class FastLaunch:
         (device, key): later calls with the key skip launch(), the binding and the grid.
         `key` (hashable) must determine every integer and every dtype among args, the
         constexprs and the grid: all that triton specialises on but the tensors'
-        16-byte alignment, which the plan checks."""
+        16-byte alignment, which the plan checks. Without a key (None), the general path:
+        kernel[grid](*args, **kwargs)."""
+        if key is None:
+            grid, kwargs = launch()
+            return self.run(grid, args, kwargs)
         if ENABLED and not CHECK_PLANS and self._launch_planned(key, None, args):
             return
         grid, kwargs = launch()

@@ -145,11 +145,7 @@ def launch(kernel, work_items: int, device: torch.device, *args, config: TmaConf
         return (programs or config.programs(work_items, device),), {**constexprs,
                                                                     **config.meta()}
 
-    if key is None:
-        grid, kwargs = plan()
-        kernel[grid](*args, **kwargs)
-    else:
-        kernel.planned(key, args, plan)
+    kernel.planned(key, args, plan)
 
 
 @device_fn

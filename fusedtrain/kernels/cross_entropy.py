@@ -168,17 +168,18 @@ def cross_entropy_fwd(logits: torch.Tensor, targets: torch.Tensor,
 
 
 def _kept_rows(loss: torch.Tensor | None, targets: torch.Tensor, ignore_index: int,
-               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(count (), int64; 1 / count (), dtype; mean of loss over the kept rows (), dtype, or
-    an unwritten one without loss) from one launch."""
+    None without loss) from one launch."""
     M = targets.shape[0]
     count = torch.empty((), device=targets.device, dtype=torch.int64)
     inv = torch.empty((), device=targets.device, dtype=dtype)
-    mean = torch.empty((), device=targets.device, dtype=dtype)
     has_loss = loss is not None
+    mean = torch.empty((), device=targets.device, dtype=dtype) if has_loss else None
     _kept_rows_kernel.planned(
         (M, dtype, targets.dtype, ignore_index, has_loss),
-        (loss if has_loss else inv, targets, mean, inv, count, M, ignore_index),
+        (loss if has_loss else inv, targets, mean if has_loss else inv, inv, count, M,
+         ignore_index),
         lambda: ((1,), dict(HAS_LOSS=has_loss, ACC=acc_dtype(inv), BLOCK=1024, num_warps=4)))
     return count, inv, mean
 

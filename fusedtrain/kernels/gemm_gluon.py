@@ -65,11 +65,7 @@ def launch(kernel, M: int, N: int, device: torch.device, *args, key=None,
         return (min(tiles, sm_count(device)),), dict(constexprs, num_warps=4,
                                                       maxnreg=_MAXNREG)
 
-    if key is None:
-        grid, kwargs = plan()
-        kernel[grid](*args, **kwargs)
-    else:
-        kernel.planned(key, args, plan)
+    kernel.planned(key, args, plan)
 
 
 @gluon.jit

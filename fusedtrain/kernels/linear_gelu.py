@@ -294,14 +294,6 @@ def _plan(key: tuple | None, make: Callable[[], tuple]) -> tuple:
     return plan
 
 
-def _launch_pointer(kernel, key: tuple | None, grid, args: tuple, flags: dict) -> None:
-    """An autotuned pointer-GEMM launch, planned under key (if any)."""
-    if key is None:
-        kernel[grid](*args, **flags)
-    else:
-        kernel.planned(key, args, lambda: (grid, flags))
-
-
 def _gemm_grid(M: int, N: int):
     return lambda meta: (ceil_div(M, meta["BLOCK_M"]) * ceil_div(N, meta["BLOCK_N"]),)
 
@@ -346,9 +338,9 @@ def linear_gelu_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
                x, weight, b_arg, y, h_arg, M, N, K,
                x.stride(0), weight.stride(0), N, N, config=cfg, key=key, **flags)
     else:
-        _launch_pointer(_linear_gelu_fwd_kernel, key, _gemm_grid(M, N), (
+        _linear_gelu_fwd_kernel.planned(key, (
             x, weight, b_arg, y, h_arg, M, N, K, x.stride(0), x.stride(1),
-            weight.stride(0), weight.stride(1), N, 1, N, 1), flags)
+            weight.stride(0), weight.stride(1), N, 1, N, 1), lambda: (_gemm_grid(M, N), flags))
     return y, h
 
 
@@ -398,9 +390,9 @@ def matmul_dgelu(dy: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, approximat
                dy.stride(0), w2.stride(0), h.stride(0), N, config=cfg, key=key,
                COL_SUMS=col_sums, **flags)
         return dh, bias_grad(parts, sums_dtype) if col_sums else None
-    _launch_pointer(_matmul_dgelu_kernel, key, _gemm_grid(M, N), (
+    _matmul_dgelu_kernel.planned(key, (
         dy, w2, h, dh, M, N, K, dy.stride(0), dy.stride(1), w2.stride(0), w2.stride(1),
-        h.stride(0), h.stride(1), N, 1), flags)
+        h.stride(0), h.stride(1), N, 1), lambda: (_gemm_grid(M, N), flags))
     return dh, bias_grad(dh, sums_dtype) if col_sums else None
 
 
@@ -455,10 +447,10 @@ def matmul_gelu_rhs(dy: torch.Tensor, h: torch.Tensor, approximate: str,
                M, N, K, k_split, splits, h.stride(0), dy.stride(0), M * N, N,
                config=cfg, programs=programs, key=key, STREAM_K=stream_k, **flags)
     else:
-        _launch_pointer(_matmul_gelu_rhs_kernel, key,
-                        lambda meta: (_gemm_grid(M, N)(meta)[0], splits), (
-                            dy, h, out, M, N, K, k_split, dy.stride(1), dy.stride(0),
-                            h.stride(0), h.stride(1), M * N, N, 1), flags)
+        _matmul_gelu_rhs_kernel.planned(key, (
+            dy, h, out, M, N, K, k_split, dy.stride(1), dy.stride(0), h.stride(0),
+            h.stride(1), M * N, N, 1), lambda: (
+                lambda meta: (_gemm_grid(M, N)(meta)[0], splits), flags))
     if splits == 1:
         return out[0]
     return (out[0] if stream_k else out.sum(0)).to(out_dtype)

@@ -87,15 +87,9 @@ def _sums_dtype(*params: Tensor | None) -> torch.dtype | None:
 
 
 def _param_grads(sums: Tensor, weight: Tensor | None, bias: Tensor | None):
-    """(dW, db) from the backward's (2, C) sums, in the parameters' dtypes (cast only where
-    the sums are in another: parameters of two dtypes)."""
-    dw = None if weight is None else sums[0]
-    db = None if bias is None else sums[1]
-    if dw is not None and dw.dtype != weight.dtype:
-        dw = dw.to(weight.dtype)
-    if db is not None and db.dtype != bias.dtype:
-        db = db.to(bias.dtype)
-    return dw, db
+    """(dW, db) from the backward's (2, C) sums, in the parameters' dtypes."""
+    return (None if weight is None else sums[0].to(weight.dtype),
+            None if bias is None else sums[1].to(bias.dtype))
 
 
 class LayerNormFunction(torch.autograd.Function):
