@@ -67,23 +67,55 @@ def qkv_projection(
     return outs[0], outs[1], outs[2]
 
 
+def attention_mask(T: int, S: int, causal: bool, window: tuple[int, int] | None,
+                   device: torch.device) -> torch.Tensor | None:
+    """(T, S) bool: which keys each query sees, aligned to the bottom right (query i's
+    diagonal is key i + S - T); causal sets the window's right side to 0, -1 is unbounded.
+    None where every query sees every key."""
+    left, right = window if window is not None else (-1, -1)
+    if causal:
+        right = 0
+    if left < 0 and right < 0:
+        return None
+    rel = (torch.arange(S, device=device)[None, :] - torch.arange(T, device=device)[:, None]
+           - (S - T))  # j - (i + S - T)
+    seen = torch.ones(T, S, dtype=torch.bool, device=device)
+    if left >= 0:
+        seen &= rel >= -left
+    if right >= 0:
+        seen &= rel <= right
+    return seen
+
+
 def flash_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
-    softmax_scale: float | None = None,
+    softmax_scale: float | None = None, window: tuple[int, int] | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Plain math attention: softmax(q k^T * scale [+ causal mask]) v.
+    """Plain math attention: softmax(mask(softcap(q k^T * scale))) v.
 
-    q, k, v: (B, H, T, D) -> o: (B, H, T, D). The (T, T) matrix is materialised;
-    the softmax runs in at least fp32.
+    q: (B, Hq, T, D), k, v: (B, Hkv, S, D) -> o: (B, Hq, T, D); query head h reads
+    key/value head h // (Hq // Hkv). Masks as attention_mask; softcap=c makes the scores
+    c * tanh(scores / c). The (T, S) matrix is materialised; the softmax runs in at least
+    fp32. Rows that see no key give zeros.
     """
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
     scores = torch.matmul(q, k.transpose(-2, -1)) * scale
-    if causal:
-        T = q.shape[-2]
-        mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-        scores = scores.masked_fill(~mask, float("-inf"))
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    seen = attention_mask(q.shape[-2], k.shape[-2], causal, window, q.device)
+    if seen is not None:
+        # Rows that see nothing keep finite scores (a softmax of -inf alone is NaN, also
+        # in its gradient) and get zero probabilities after it.
+        sees_some = seen.any(-1, keepdim=True)
+        scores = scores.masked_fill(~seen & sees_some, float("-inf"))
     softmax_dtype = torch.promote_types(q.dtype, torch.float32)
     probs = torch.softmax(scores, dim=-1, dtype=softmax_dtype).to(q.dtype)
+    if seen is not None:
+        probs = probs.masked_fill(~sees_some, 0.0)
     return torch.matmul(probs, v)
 
 

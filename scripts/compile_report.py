@@ -12,7 +12,7 @@ multiples of 16). The compiler is this machine's triton, which may differ from t
 machine's (put that version first on PYTHONPATH, e.g. `pip install --no-deps --target DIR
 triton==3.6.0`): the figures guide, the GPU decides.
 
-  python scripts/compile_report.py [--head-dim 128] [--causal] [--bias-sums]
+  python scripts/compile_report.py [--head-dim 128] [--softcap] [--grouped] [--bias-sums]
       [--kernels fwd dkdv dq linear_gelu_fwd dgelu gelu_rhs qkv_fwd qkv_dx qkv_dw emb_fwd emb_bwd
                  linear_gelu_fwd_ws dgelu_ws qkv_fwd_ws ce_smem]
 
@@ -65,7 +65,7 @@ def argument_type(name: str, pointers: dict[str, str]) -> str:
         return pointers[name]
     if name.endswith("_ptr"):
         return "*fp32" if name in FP32_POINTERS else "*bf16"
-    return "fp32" if name in ("qk_scale", "sm_scale") else "i32"
+    return "fp32" if name in ("qk_scale", "sm_scale", "cap_in", "cap_out") else "i32"
 
 
 def _table_config() -> triton.Config:
@@ -82,9 +82,11 @@ _EMB_POINTERS = {"idx_ptr": "*i64", **dict.fromkeys(
     ["w_ptr", "pos_ptr", "x_ptr", "dy_ptr", "dw_ptr", "dpos_ptr"], "*fp32")}
 
 # name -> (kernel, configs, pointer types that differ from argument_type's default)
-KERNELS = {"fwd": (A._attn_fwd_kernel, A.FWD_CONFIGS, {}),
-           "dkdv": (AB._attn_bwd_dkdv_kernel, A.BWD_KV_CONFIGS, {}),
-           "dq": (AB._attn_bwd_dq_kernel, A.BWD_Q_CONFIGS, {}),
+# (the attention's: the candidates of head dims up to 128, then those past it; see
+# attention_configs)
+KERNELS = {"fwd": (A._attn_fwd_kernel, (A.FWD_CONFIGS, A.FWD_HEAD_256), {}),
+           "dkdv": (AB._attn_bwd_dkdv_kernel, (A.BWD_KV_CONFIGS, A.BWD_KV_HEAD_256), {}),
+           "dq": (AB._attn_bwd_dq_kernel, (A.BWD_Q_CONFIGS, A.BWD_Q_HEAD_256), {}),
            "linear_gelu_fwd": (LG._linear_gelu_fwd_tma_kernel, [_table_config()], {}),
            "dgelu": (LG._matmul_dgelu_tma_kernel, [_table_config()], {}),
            "gelu_rhs": (LG._matmul_gelu_rhs_tma_kernel, [_table_config()], {}),
@@ -188,8 +190,10 @@ def resources(compiled) -> dict[str, int]:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--head-dim", type=int, default=128,
-                   help="the attention's BLOCK_D (16, 32, 64 or 128), and the QKV forward's D")
-    p.add_argument("--causal", action="store_true")
+                   help="the attention's BLOCK_D (16, 32, 64, 128 or 256), and the QKV forward's D")
+    p.add_argument("--softcap", action="store_true", help="the attention's softcapped scores")
+    p.add_argument("--grouped", action="store_true",
+                   help="the attention's grouped key/value heads (the dk/dv kernel's loop)")
     p.add_argument("--kernels", nargs="+", choices=[*KERNELS, *WS_KERNELS],
                    default=[*KERNELS, *WS_KERNELS])
     p.add_argument("--bias-sums", action="store_true",
@@ -199,13 +203,13 @@ def main(argv: list[str] | None = None) -> None:
     # the fused gpt2 step runs them (bias, h stored, tanh GELU, column sums, stream-K sums
     # added in place, q, k, v stored a head at a time when the head dim allows).
     block_n = _table_config().kwargs["BLOCK_N"]
-    constexprs = dict(CAUSAL=args.causal, ACC=tl.float32, PRECISION="tf32",
+    constexprs = dict(SOFTCAP=args.softcap, GROUPED=args.grouped, ACC=tl.float32, PRECISION="tf32",
                       BLOCK_D=args.head_dim, TMA=True, BIAS_SUMS=args.bias_sums,
                       GRAIN=A.BIAS_GRAIN, HAS_BIAS=True, STORE_H=True, APPROX=FAST_TANH.value,
                       COL_SUMS=True, STREAM_K=True, POSITIONS=True,
                       HEAD_D=args.head_dim if args.head_dim in (block_n // 2, block_n // 4) else 0)
     print(f"triton {triton.__version__}, target sm_90, bf16, head dim {args.head_dim}, "
-          f"{'causal' if args.causal else 'full'}")
+          f"softcap {args.softcap}, grouped {args.grouped}")
     for name in args.kernels:
         if name in WS_KERNELS:
             if not triton.__version__.startswith(GLUON_TRITON):
@@ -231,6 +235,8 @@ def main(argv: list[str] | None = None) -> None:
                   f"stack, {r['shared_bytes'] // 1024:3d} KiB shared", flush=True)
             continue
         kernel, configs, pointers = KERNELS[name]
+        if isinstance(configs, tuple):
+            configs = configs[args.head_dim > 128]
         for config in configs:
             tile = " ".join(f"{k} {v:3d}" for k, v in config.kwargs.items()
                             if k in ("BLOCK_M", "BLOCK_N", "BLOCK_T", "BLOCK_C"))

@@ -175,15 +175,130 @@ def test_bad_inputs():
     q, k, v = (t.detach() for t in _qkv(1, 2, 8, 16))
     with pytest.raises(ValueError, match="q"):
         ops.flash_attention(q[0], k[0], v[0])
-    with pytest.raises(ValueError, match="shape"):
+    with pytest.raises(ValueError, match="k and v"):
         ops.flash_attention(q, k[:, :, :4], v)
-    big = torch.randn(1, 1, 4, 160, dtype=F64)
+    with pytest.raises(ValueError, match="k and v"):
+        ops.flash_attention(q, k[..., :8], v[..., :8])
+    with pytest.raises(ValueError, match="multiple"):
+        ops.flash_attention(torch.cat([q, q[:, :1]], 1), k, v)
+    big = torch.randn(1, 1, 4, 264, dtype=F64)
     with pytest.raises(ValueError, match="head dim"):
         ops.flash_attention(big, big, big)
+    for window in [(-2, 0), (1,), (1.5, 2), 3]:
+        with pytest.raises(ValueError, match="window"):
+            ops.flash_attention(q, k, v, window=window)
+    for cap in [0.0, -1.0, float("inf")]:
+        with pytest.raises(ValueError, match="softcap"):
+            ops.flash_attention(q, k, v, softcap=cap)
     with pytest.raises(TypeError, match="k"):
         ops.flash_attention(q, k.float(), v)
     with pytest.raises(TypeError, match="q"):
         ops.flash_attention(q.int(), k, v)
+
+
+def _gqa(B, Hq, Hkv, T, S, D, dtype=F64):
+    """q (B, Hq, T, D), k, v (B, Hkv, S, D), leaves."""
+    return [torch.randn(B, h, n, D, dtype=dtype).requires_grad_()
+            for h, n in ((Hq, T), (Hkv, S), (Hkv, S))]
+
+
+# (B, Hq, Hkv, T, S, D, causal, window, softcap): each new argument alone, then together.
+FEATURES = {
+    "gqa": (1, 4, 2, 11, 11, 16, True, None, None),
+    "mqa": (2, 3, 1, 9, 9, 16, False, None, None),
+    "longer_keys_causal": (1, 2, 2, 7, 13, 16, True, None, None),
+    "fewer_keys_causal": (1, 2, 2, 13, 7, 16, True, None, None),  # rows that see nothing
+    "window": (1, 2, 2, 15, 15, 16, False, (3, 2), None),
+    "window_causal": (1, 2, 2, 15, 12, 16, True, (4, -1), None),
+    "window_left_open": (1, 2, 1, 12, 15, 16, False, (-1, 1), None),
+    "softcap": (1, 2, 2, 10, 10, 16, True, None, 1.5),
+    "head_dim_200": (1, 1, 1, 6, 6, 200, False, None, None),
+    "together": (1, 4, 2, 9, 14, 24, True, (5, 3), 2.0),
+}
+
+
+@pytest.mark.parametrize("case", FEATURES)
+def test_gradcheck_of_every_argument(case):
+    B, Hq, Hkv, T, S, D, causal, window, softcap = FEATURES[case]
+    assert gradcheck(lambda *a: ops.flash_attention(*a, causal=causal, window=window,
+                                                    softcap=softcap),
+                     _gqa(B, Hq, Hkv, T, S, D), fast_mode=True)
+
+
+@pytest.mark.parametrize("case", FEATURES)
+def test_arguments_match_the_twin(case):
+    B, Hq, Hkv, T, S, D, causal, window, softcap = FEATURES[case]
+    args = _gqa(B, Hq, Hkv, T, S, D)
+    check_against_oracle(
+        lambda *a: ops.flash_attention(*a, causal, window=window, softcap=softcap),
+        lambda *a: eager.flash_attention(*a, causal, window=window, softcap=softcap), args,
+        1e-12)
+
+
+def _mask_by_loops(T, S, causal, window):
+    left, right = window or (-1, -1)
+    right = 0 if causal else right
+    seen = torch.zeros(T, S, dtype=torch.bool)
+    for i in range(T):
+        for j in range(S):
+            d = j - (i + S - T)
+            seen[i, j] = (left < 0 or d >= -left) and (right < 0 or d <= right)
+    return seen
+
+
+@pytest.mark.parametrize("T,S,causal,window", [
+    (6, 6, True, None), (5, 9, True, None), (9, 5, True, None), (8, 8, False, (2, 1)),
+    (7, 10, True, (3, 5)), (10, 7, False, (-1, 0)), (6, 6, False, None)])
+def test_twin_against_sdpa_with_its_mask(T, S, causal, window):
+    """The eager twin, the oracle of the fused op, against PyTorch's SDPA given the mask
+    written out by loops (bottom-right aligned), grouped heads expanded by SDPA itself;
+    rows that see no key are zeros in the twin and are left out of the comparison."""
+    seen = _mask_by_loops(T, S, causal, window)
+    q, k, v = (t.detach() for t in _gqa(2, 4, 2, T, S, 16))
+    got = eager.flash_attention(q, k, v, causal, window=window)
+    bias = torch.zeros(T, S, dtype=F64).masked_fill(~seen, float("-inf"))
+    rows = seen.any(-1)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q[:, :, rows], k, v, attn_mask=bias[rows], enable_gqa=True)
+    torch.testing.assert_close(got[:, :, rows], want)
+    assert (got[:, :, ~rows] == 0).all()
+
+
+def test_softcap_twin_is_tanh_of_the_scaled_scores():
+    q, k, v = (t.detach() for t in _qkv(1, 2, 7, 16))
+    scores = q @ k.transpose(-2, -1) / 4.0
+    want = torch.softmax(3.0 * torch.tanh(scores / 3.0), -1) @ v
+    torch.testing.assert_close(eager.flash_attention(q, k, v, False, softcap=3.0), want)
+
+
+@pytest.mark.parametrize("window", [(200, 200), (40, 20), (150, -1)])
+def test_windows_over_many_blocks(window):
+    """Rows of 600 under the interpreter's 128-row tiles: blocks wholly inside the window
+    (unmasked), cut by its edges on either side, and skipped."""
+    args = _gqa(1, 2, 1, 600, 600, 16, dtype=torch.float32)
+    check_against_oracle(lambda *a: ops.flash_attention(*a, False, window=window),
+                         lambda *a: eager.flash_attention(*a, False, window=window), args, 1e-5)
+
+
+@pytest.mark.parametrize("T,S", [(113, 300), (300, 113)])
+def test_causal_cross_lengths_over_many_blocks(T, S):
+    args = _gqa(1, 4, 2, T, S, 32, dtype=torch.float32)
+    check_against_oracle(lambda *a: ops.flash_attention(*a, True),
+                         lambda *a: eager.flash_attention(*a, True), args, 1e-5)
+
+
+@pytest.mark.parametrize("D", [96, 192])
+def test_fp32_accuracy_at_odd_head_dims(D):
+    args = _gqa(1, 2, 2, 113, 113, D, dtype=torch.float32)
+    check_against_oracle(lambda *a: ops.flash_attention(*a, True, softcap=30.0),
+                         lambda *a: eager.flash_attention(*a, True, softcap=30.0), args, 1e-5)
+
+
+def test_grouped_gradients_come_in_the_output_layout():
+    """With grouped heads dq is laid out as o (B, T, Hq, D) and dk, dv as (B, S, Hkv, D)."""
+    q, k, v = _gqa(2, 4, 2, 5, 7, 16)
+    dq, dk, dv = torch.autograd.grad(ops.flash_attention(q, k, v).sum(), (q, k, v))
+    assert all(g.transpose(1, 2).is_contiguous() for g in (dq, dk, dv))
 
 
 @pytest.mark.gpu
@@ -214,3 +329,34 @@ def test_gpu_16bit_accuracy_with_concentrated_and_spread_scores(dtype, spread):
     for causal in (True, False):
         check_against_oracle(lambda *a, c=causal: ops.flash_attention(*a, c),
                              lambda *a, c=causal: eager.flash_attention(*a, c), (q, k, v), 1e-3)
+
+
+# (B, Hq, Hkv, T, S, D, causal, window, softcap) at GPU sizes: every tile path of the new
+# arguments, odd lengths and head dims included.
+GPU_FEATURES = {
+    "gqa": (2, 8, 2, 1024, 1024, 128, True, None, None),
+    "window": (1, 4, 4, 2047, 2047, 64, True, (256, 0), None),
+    "window_both_sides": (1, 4, 2, 1500, 1500, 80, False, (300, 100), None),
+    "softcap": (2, 4, 4, 1023, 1023, 96, True, None, 30.0),
+    "head_dim_256": (1, 4, 4, 1023, 1023, 256, True, None, None),
+    "head_dim_192": (1, 4, 1, 700, 700, 192, False, None, None),
+    "more_keys": (1, 4, 2, 500, 1500, 64, True, None, None),
+    "fewer_keys": (1, 4, 4, 1500, 500, 64, True, None, None),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_FEATURES)
+def test_gpu_bf16_arguments_accuracy_and_determinism(case):
+    B, Hq, Hkv, T, S, D, causal, window, softcap = GPU_FEATURES[case]
+    args = [t.detach().cuda().bfloat16().requires_grad_()
+            for t in _gqa(B, Hq, Hkv, T, S, D, dtype=torch.float32)]
+
+    def fused(*a):
+        return ops.flash_attention(*a, causal, window=window, softcap=softcap)
+
+    check_against_oracle(fused, lambda *a: eager.flash_attention(
+        *a, causal, window=window, softcap=softcap), args, 1e-3)
+    (o1,), g1, g = grads_of(fused, args)
+    (o2,), g2, _ = grads_of(fused, args, g)
+    assert torch.equal(o1, o2) and all(torch.equal(a, b) for a, b in zip(g1, g2))

@@ -44,6 +44,9 @@ def first_calls():
             ops.linear_gelu(x, leaf(7, C), leaf(7))
         q, k, v = ops.qkv_projection(x, leaf(3 * C, C), leaf(3 * C), H)
         losses.append(ops.flash_attention(q, k, v, causal=True).sum())
+        # Grouped heads, a window and a softcap: the backward with three gradient buffers.
+        losses.append(ops.flash_attention(q, k[:, :1], v[:, :1], causal=True, window=(2, 0),
+                                          softcap=3.0).sum())
         # Created last, so its backward runs first: the attention_bwd recorded is the one
         # that also sums a bias gradient.
         losses.append(ops.qkv_attention(x, leaf(3 * C, C), leaf(3 * C), H).sum())

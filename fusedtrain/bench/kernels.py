@@ -164,6 +164,90 @@ def bench_attention(rows: list[dict]) -> None:
             rows.append(r)
 
 
+def ran_kernels(fn) -> list[str]:
+    """The CUDA kernels fn() launches, by GPU time, longest first (the peers' own choice
+    of backend, named as the profiler sees it)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    events.sort(key=lambda e: -e.device_time_total)
+    return [e.key[:120] for e in events[:3]]
+
+
+def _flex(mask_mod=None, score_mod=None, T: int = 0):
+    """Compiled FlexAttention with a block mask from mask_mod(b, h, q_idx, kv_idx) and/or a
+    score_mod(score, b, h, q_idx, kv_idx)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    block_mask = (create_block_mask(mask_mod, None, None, T, T, device="cuda")
+                  if mask_mod is not None else None)
+    flex = torch.compile(flex_attention)
+
+    def run(q, k, v):
+        return flex(q, k, v, score_mod=score_mod, block_mask=block_mask,
+                    enable_gqa=k.shape[1] != q.shape[1])
+
+    return run
+
+
+def bench_attention_features(rows: list[dict]) -> None:
+    """Grouped-query heads, a sliding window, a softcap and D = 256, against SDPA's default
+    backend (grouped heads through enable_gqa) or FlexAttention where SDPA has no such
+    mask; the kernel each peer ran is recorded beside its time."""
+    window, cap = 1024, 50.0
+
+    def sliding(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx <= window)
+
+    def causal_mod(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    def softcapped(score, b, h, q_idx, kv_idx):
+        return cap * torch.tanh(score / cap)
+
+    def sdpa(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                              enable_gqa=k.shape[1] != q.shape[1])
+
+    cases = [  # (name, B, Hq, Hkv, T, D, fused kwargs, peers)
+        ("gqa", 4, 32, 8, 4096, 128, {}, {"sdpa_default": sdpa,
+                                          "flex": _flex(causal_mod, T=4096)}),
+        ("window", 2, 16, 16, 8192, 128, {"window": (window, 0)},
+         {"flex": _flex(sliding, T=8192)}),
+        ("softcap", 4, 16, 16, 4096, 128, {"softcap": cap},
+         {"flex": _flex(causal_mod, softcapped, T=4096)}),
+        ("head_dim_256", 4, 16, 16, 4096, 256, {}, {"sdpa_default": sdpa}),
+    ]
+    for name, B, Hq, Hkv, T, D, kwargs, peers in cases:
+        q, k, v = randn(B, Hq, T, D), randn(B, Hkv, T, D), randn(B, Hkv, T, D)
+        seen = eager.attention_mask(T, T, True, kwargs.get("window"), q.device)
+        flops = 4 * B * Hq * int(seen.sum()) * D
+        fns = {"fused": lambda q, k, v, kw=kwargs: ops.flash_attention(q, k, v, True, **kw),
+               **peers}
+        r = {"family": "attention_features", "shape": f"{name} B={B} Hq={Hq} Hkv={Hkv} "
+             f"T={T} D={D} causal", "fwd": {}, "fwd_bwd": {}, "peer_kernels": {}}
+        for peer, f in fns.items():
+            try:
+                with torch.no_grad():
+                    r["fwd"][peer] = bench(lambda f=f: f(q, k, v))
+                r["fwd_bwd"][peer] = bench(fwd_bwd(f, (q, k, v)))
+                if peer != "fused":
+                    with torch.no_grad():
+                        r["peer_kernels"][peer] = ran_kernels(lambda f=f: f(q, k, v))
+            except (RuntimeError, torch.OutOfMemoryError) as e:
+                print(f"  {peer} at {r['shape']}: {type(e).__name__}: {str(e)[:80]}",
+                      file=sys.stderr)
+            torch.cuda.empty_cache()
+        r["fwd_tflops"] = {p: flops / ms / 1e9 for p, ms in r["fwd"].items()}
+        r["fwd_bwd_tflops"] = {p: 3.5 * flops / ms / 1e9 for p, ms in r["fwd_bwd"].items()}
+        rows.append(r)
+
+
 def copy_bandwidth(n_bytes: int = 2 ** 30) -> float:
     """Device-to-device copy GB/s, counting bytes read plus bytes written: the faster of a
     memcpy and an elementwise copy kernel, each into a buffer allocated beforehand."""
@@ -218,7 +302,8 @@ def bench_cross_entropy(rows: list[dict]) -> None:
 
 
 FAMILIES = {"linear_gelu": bench_linear_gelu, "qkv": bench_qkv, "attention": bench_attention,
-            "layernorm": bench_layernorm, "cross_entropy": bench_cross_entropy}
+            "attention_features": bench_attention_features, "layernorm": bench_layernorm,
+            "cross_entropy": bench_cross_entropy}
 
 
 
@@ -236,9 +321,10 @@ def print_table(rows: list[dict]) -> None:
                 f"{k} {v:.3f}ms" + (f" ({v / base:.2f}x)" if base and k != "fused" else "")
                 for k, v in t.items())
             print(f"{r['family']:<11} {r['shape']:<38} {key:<12} {cells}")
-        for extra in ("saved_MiB", "fwd_bwd_tflops", "fwd_GBps", "peak_MiB"):
+        for extra in ("saved_MiB", "fwd_bwd_tflops", "fwd_GBps", "peak_MiB", "peer_kernels"):
             if extra in r:
-                vals = "  ".join(f"{k} {v:.1f}" for k, v in r[extra].items())
+                vals = "  ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}"
+                                 for k, v in r[extra].items())
                 print(f"{'':<11} {r['shape']:<38} {extra}: {vals}")
 
 

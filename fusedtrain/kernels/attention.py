@@ -30,6 +30,7 @@ Block sizes: triton.autotune keyed on (T bucket, BLOCK_D, causal, TMA) and the d
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import triton
@@ -42,12 +43,12 @@ from fusedtrain.kernels._device import (
     next_pow2,
     stat_dtype,
 )
-from fusedtrain.kernels._primitives import cdiv, device_fn, row_max, row_sum
+from fusedtrain.kernels._primitives import cdiv, device_fn, row_max, row_sum, tanh
 from fusedtrain.kernels._tma import enable_device_descriptors, matrix_desc, tma_ok
 from fusedtrain.kernels._tuning import autotune
 
 LOG2E = 1.4426950408889634
-MAX_HEAD_DIM = 128
+MAX_HEAD_DIM = 256
 
 
 def _configs(shapes: list[tuple[int, int, int, int]]) -> list[triton.Config]:
@@ -65,22 +66,38 @@ BWD_KV_CONFIGS = _configs([(64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 4, 3), (32
                            (32, 128, 4, 5), (64, 128, 8, 3), (16, 128, 4, 5)])
 BWD_Q_CONFIGS = _configs([(128, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3), (64, 32, 4, 3),
                           (128, 32, 4, 5), (128, 64, 8, 3), (64, 32, 4, 5)])
+# Head dims past 128 (BLOCK_D = 256) take their own candidates, of at most 64 rows a tile
+# and two stages: one 128 x 256 fp32 accumulator is 128 KiB of registers, and three stages
+# of 64 x 256 16-bit K and V tiles are 192 KiB of shared memory.
+FWD_HEAD_256 = _configs([(64, 64, 8, 2), (64, 32, 4, 2), (64, 32, 8, 2)])
+BWD_KV_HEAD_256 = _configs([(32, 64, 8, 1), (64, 64, 8, 1), (32, 32, 4, 1), (16, 64, 4, 1)])
+BWD_Q_HEAD_256 = _configs([(64, 32, 8, 2), (64, 64, 8, 1), (64, 32, 4, 2)])
 
 
-def _dkdv_fits(config: triton.Config, BLOCK_D: int, **_) -> bool:
+def _for_head_dim(wide_heads: list[triton.Config]) -> Callable[..., bool]:
+    """A `keep` for autotune: the configs of `wide_heads` exactly when BLOCK_D > 128."""
+    def keep(config: triton.Config, BLOCK_D: int, **_) -> bool:
+        return any(config is c for c in wide_heads) == (BLOCK_D > 128)
+
+    return keep
+
+
+def _dkdv_fits(config: triton.Config, BLOCK_D: int, **constexprs) -> bool:
     """Whether a dk/dv config is worth timing: at D=128, 128 keys over 4 warps hold two
     128 x 128 fp32 accumulators in 128 threads and spill (H200: 2.2-7x the best config at
     every benchmark and test shape, where they are among the best at D=64)."""
-    return not (BLOCK_D >= 128 and config.num_warps == 4 and config.kwargs["BLOCK_N"] == 128)
+    spills = BLOCK_D == 128 and config.num_warps == 4 and config.kwargs["BLOCK_N"] == 128
+    return not spills and _for_head_dim(BWD_KV_HEAD_256)(config, BLOCK_D)
 
 
 INTERPRET_CONFIG = triton.Config({"BLOCK_M": 128, "BLOCK_N": 128})
-WIDE_CONFIGS = _configs([(64, 32, 4, 2)])
+# fp32 / fp64 data: the second for head dims past 128 (its tiles fit shared memory there).
+WIDE_CONFIGS = _configs([(64, 32, 4, 2), (64, 32, 4, 1)])
 # The bias gradients' partial sums are kept per BIAS_GRAIN query rows, which divides every
 # dq config's BLOCK_M: the buffer's layout does not depend on the autotuner's choice.
 BIAS_GRAIN = 64
 assert all(c.kwargs["BLOCK_M"] % BIAS_GRAIN == 0
-           for c in [*BWD_Q_CONFIGS, *WIDE_CONFIGS, INTERPRET_CONFIG])
+           for c in [*BWD_Q_CONFIGS, *BWD_Q_HEAD_256, *WIDE_CONFIGS, INTERPRET_CONFIG])
 
 
 @device_fn
@@ -118,36 +135,47 @@ def _load_tile(src, start, offs_t, offs_d, s_t, s_d, t_ok, d_ok, TMA: tl.constex
 
 
 @device_fn
-def _visible(offs_m, offs_n, T, CAUSAL: tl.constexpr):
-    """[BLOCK_M, BLOCK_N] mask of (query, key) pairs that may attend."""
-    ok = (offs_m[:, None] < T) & (offs_n[None, :] < T)
-    if CAUSAL:
-        ok = ok & (offs_m[:, None] >= offs_n[None, :])
-    return ok
+def _visible(offs_m, offs_n, T, S, LO, HI):
+    """[BLOCK_M, BLOCK_N] mask of (query, key) pairs that may attend: i < T, j < S and
+    i + LO <= j <= i + HI (see mask_bounds)."""
+    rel = offs_n[None, :] - offs_m[:, None]
+    return (offs_m[:, None] < T) & (offs_n[None, :] < S) & (rel >= LO) & (rel <= HI)
 
 
 @device_fn
-def _slice_base(ptr, bh, H, s_b, s_h):
-    """Pointer to the (T, D) slice of batch*head index bh."""
-    return ptr + (bh // H).to(tl.int64) * s_b + (bh % H).to(tl.int64) * s_h
+def _slice_base(ptr, bh, H, G, s_b, s_h):
+    """Pointer to the (T, D) slice that batch*query-head index bh reads: query head
+    bh % H of batch bh // H; with G query heads to a key/value head (G = 1 for q itself),
+    key/value head (bh % H) // G."""
+    return ptr + (bh // H).to(tl.int64) * s_b + ((bh % H) // G).to(tl.int64) * s_h
 
 
 @device_fn
-def _fwd_blocks(acc, l_i, m_i, q, k_src, v_src, offs_m, offs_d, d_ok, T, qk_scale,
-                s_kt, s_kd, s_vt, s_vd, blk_lo, blk_hi,
-                MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
+def softcapped(s, cap_in, cap_out):
+    """Scores s (q k^T, unscaled) -> cap_out * tanh(s * cap_in): with cap_in = scale / c and
+    cap_out = c * log2(e), the softcapped scores c tanh(s scale / c) in base 2."""
+    return cap_out * tanh(s * cap_in)
+
+
+@device_fn
+def _fwd_blocks(acc, l_i, m_i, q, k_src, v_src, offs_m, offs_d, d_ok, T, S, LO, HI,
+                qk_scale, cap_in, cap_out, s_kt, s_kd, s_vt, s_vd, blk_lo, blk_hi,
+                MASKED: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_N: tl.constexpr,
                 ACC: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr):
     """Online-softmax accumulation over key blocks [blk_lo, blk_hi)."""
     for blk in range(blk_lo, blk_hi):
         offs_n = blk * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < T
+        n_ok = offs_n < S
         k = _load_tile(k_src, blk * BLOCK_N, offs_n, offs_d, s_kt, s_kd, n_ok, d_ok, TMA)
         v = _load_tile(v_src, blk * BLOCK_N, offs_n, offs_d, s_vt, s_vd, n_ok, d_ok, TMA)
         # Raw scores: the scale (> 0, checked by the op) goes on the row maxima, and onto
-        # s inside the exponent's argument, one fused multiply-add per score.
+        # s inside the exponent's argument, one fused multiply-add per score (with a
+        # softcap the scores come scaled, and qk_scale is 1).
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION, out_dtype=ACC)
+        if SOFTCAP:
+            s = softcapped(s, cap_in, cap_out)
         if MASKED:
-            s = tl.where(_visible(offs_m, offs_n, T, CAUSAL), s, float("-inf"))
+            s = tl.where(_visible(offs_m, offs_n, T, S, LO, HI), s, float("-inf"))
         m_new = tl.maximum(m_i, row_max(s, 1) * qk_scale)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all-masked rows stay finite
         p = tl.exp2(s * qk_scale - m_safe[:, None])
@@ -160,17 +188,26 @@ def _fwd_blocks(acc, l_i, m_i, q, k_src, v_src, offs_m, offs_d, d_ok, T, qk_scal
 
 
 @device_fn
-def _key_block_ranges(start_m, T, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr):
-    """For query rows [start_m, start_m + BLOCK_M): key blocks [0, full) need no mask,
-    [full, last) do (diagonal or sequence end); later key blocks are skipped."""
-    if CAUSAL:
-        last = cdiv(tl.minimum(start_m + BLOCK_M, T), BLOCK_N)
-        full = tl.minimum(start_m // BLOCK_N, T // BLOCK_N)
-    else:
-        last = cdiv(T, BLOCK_N)
-        full = T // BLOCK_N
-    return full, last
+def _clamped_ranges(lo, u_lo, u_hi, hi):
+    """Block ranges [lo, u_lo) masked, [u_lo, u_hi) clear, [u_hi, hi) masked, from bounds
+    that may cross: the clear range shrinks to fit inside [lo, hi)."""
+    hi = tl.maximum(hi, lo)
+    u_lo = tl.minimum(tl.maximum(u_lo, lo), hi)
+    u_hi = tl.minimum(tl.maximum(u_hi, u_lo), hi)
+    return lo, u_lo, u_hi, hi
+
+
+@device_fn
+def _key_blocks(start_m, S, LO, HI, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Key blocks for query rows [start_m, start_m + BLOCK_M): (lo, u_lo, u_hi, hi), blocks
+    [u_lo, u_hi) seen whole by every row (no mask), [lo, u_lo) and [u_hi, hi) in part, the
+    rest not at all. Divisions only of non-negative numbers (Triton's // truncates, the
+    interpreter's floors)."""
+    lo = tl.maximum(start_m + LO, 0) // BLOCK_N
+    hi = cdiv(tl.maximum(tl.minimum(start_m + BLOCK_M + HI, S), 0), BLOCK_N)
+    u_lo = cdiv(tl.maximum(start_m + BLOCK_M - 1 + LO, 0), BLOCK_N)
+    u_hi = tl.minimum(tl.maximum(start_m + HI + 1, 0) // BLOCK_N, S // BLOCK_N)
+    return _clamped_ranges(lo, u_lo, u_hi, hi)
 
 
 @device_fn
@@ -192,14 +229,16 @@ def _schedule(n_blocks, BH, GROUP, LOW_FIRST: tl.constexpr):
     return bh, block
 
 
-@autotune(FWD_CONFIGS, key=["T_BUCKET", "BLOCK_D", "CAUSAL", "TMA"], interpret=INTERPRET_CONFIG,
-          wide=WIDE_CONFIGS)
+@autotune(FWD_CONFIGS + FWD_HEAD_256,
+          key=["T_BUCKET", "S_BUCKET", "BLOCK_D", "MASK", "SOFTCAP", "TMA"],
+          interpret=INTERPRET_CONFIG, wide=WIDE_CONFIGS, keep=_for_head_dim(FWD_HEAD_256))
 @triton.jit
 def _attn_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, qk_scale, H, T, D, T_BUCKET, BH, GROUP,
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, qk_scale, cap_in, cap_out, H, G, T, S, D, LO, HI,
+    MASK, T_BUCKET, S_BUCKET, BH, GROUP,
     s_qb, s_qh, s_qt, s_qd, s_kb, s_kh, s_kt, s_kd, s_vb, s_vh, s_vt, s_vd,
     s_ob, s_oh, s_ot, s_od,
-    CAUSAL: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr, BLOCK_D: tl.constexpr,
+    SOFTCAP: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr, BLOCK_D: tl.constexpr,
     TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     bh, block = _schedule(cdiv(T, BLOCK_M), BH, GROUP, False)
@@ -207,21 +246,27 @@ def _attn_fwd_kernel(
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     m_ok, d_ok = offs_m < T, offs_d < D
-    q = _load_rows(_slice_base(q_ptr, bh, H, s_qb, s_qh), offs_m, offs_d, s_qt, s_qd, m_ok, d_ok)
-    k_src = _row_source(_slice_base(k_ptr, bh, H, s_kb, s_kh), T, D, s_kt, TMA, BLOCK_N, BLOCK_D)
-    v_src = _row_source(_slice_base(v_ptr, bh, H, s_vb, s_vh), T, D, s_vt, TMA, BLOCK_N, BLOCK_D)
+    q = _load_rows(_slice_base(q_ptr, bh, H, 1, s_qb, s_qh), offs_m, offs_d, s_qt, s_qd, m_ok,
+                   d_ok)
+    k_src = _row_source(_slice_base(k_ptr, bh, H, G, s_kb, s_kh), S, D, s_kt, TMA, BLOCK_N,
+                        BLOCK_D)
+    v_src = _row_source(_slice_base(v_ptr, bh, H, G, s_vb, s_vh), S, D, s_vt, TMA, BLOCK_N,
+                        BLOCK_D)
     acc = tl.full((BLOCK_M, BLOCK_D), 0.0, ACC)
     l_i = tl.full((BLOCK_M,), 0.0, ACC)
     m_i = tl.full((BLOCK_M,), float("-inf"), ACC)
-    full, last = _key_block_ranges(start_m, T, CAUSAL, BLOCK_M, BLOCK_N)
-    acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_src, v_src, offs_m, offs_d, d_ok, T,
-                                qk_scale, s_kt, s_kd, s_vt, s_vd, 0, full,
-                                False, CAUSAL, BLOCK_N, ACC, PRECISION, TMA)
-    acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_src, v_src, offs_m, offs_d, d_ok, T,
-                                qk_scale, s_kt, s_kd, s_vt, s_vd, full, last,
-                                True, CAUSAL, BLOCK_N, ACC, PRECISION, TMA)
+    lo, u_lo, u_hi, hi = _key_blocks(start_m, S, LO, HI, BLOCK_M, BLOCK_N)
+    acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_src, v_src, offs_m, offs_d, d_ok, T, S,
+                                LO, HI, qk_scale, cap_in, cap_out, s_kt, s_kd, s_vt, s_vd, lo,
+                                u_lo, True, SOFTCAP, BLOCK_N, ACC, PRECISION, TMA)
+    acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_src, v_src, offs_m, offs_d, d_ok, T, S,
+                                LO, HI, qk_scale, cap_in, cap_out, s_kt, s_kd, s_vt, s_vd,
+                                u_lo, u_hi, False, SOFTCAP, BLOCK_N, ACC, PRECISION, TMA)
+    acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_src, v_src, offs_m, offs_d, d_ok, T, S,
+                                LO, HI, qk_scale, cap_in, cap_out, s_kt, s_kd, s_vt, s_vd,
+                                u_hi, hi, True, SOFTCAP, BLOCK_N, ACC, PRECISION, TMA)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    o_base = _slice_base(o_ptr, bh, H, s_ob, s_oh)
+    o_base = _slice_base(o_ptr, bh, H, 1, s_ob, s_oh)
     _store_rows(o_base, acc / l_safe[:, None], offs_m, offs_d, s_ot, s_od, m_ok, d_ok)
     tl.store(lse_ptr + bh.to(tl.int64) * T + offs_m, m_i + tl.log2(l_safe), mask=m_ok)
 
@@ -251,11 +296,41 @@ def _heads_per_group(q: torch.Tensor, causal: bool) -> int:
     return min(B * H, 1 << (fit.bit_length() - 1))
 
 
-def _common_args(q: torch.Tensor, softmax_scale: float):
+def mask_bounds(T: int, S: int, causal: bool, window: tuple[int, int]) -> tuple[int, int]:
+    """(LO, HI): query i of T sees key j of S iff i + LO <= j <= i + HI. The causal mask
+    and the window (left, right) align to the bottom right (query i's diagonal is key
+    i + S - T), causal sets right to 0, and an unbounded side (-1) becomes an offset past
+    every key."""
+    left, right = window
+    diag, far = S - T, T + S
+    right = 0 if causal else right
+    return (diag - left if left >= 0 else -far), (diag + right if right >= 0 else far)
+
+
+def mask_kind(causal: bool, window: tuple[int, int]) -> int:
+    """The autotuner's key for the mask: 0 none, 1 causal, 2 a window (with or without)."""
+    return 2 if window[0] >= 0 or (window[1] >= 0 and not causal) else int(causal)
+
+
+def kernel_args(q: torch.Tensor, k: torch.Tensor, causal: bool, window: tuple[int, int],
+                softmax_scale: float, softcap: float) -> tuple:
+    """The arguments the three kernels share after their tensors: (qk_scale, cap_in,
+    cap_out, H, G, T, S, D, LO, HI, MASK, T_BUCKET, S_BUCKET, B * H, GROUP); with a softcap
+    the scale moves into the tanh's argument (see softcapped) and qk_scale is 1."""
     B, H, T, D = q.shape
-    block_d = max(16, next_pow2(D))
-    acc = tl.float64 if q.dtype == torch.float64 else tl.float32
-    return B, H, T, D, block_d, acc, softmax_scale * LOG2E
+    HK, S = k.shape[1], k.shape[2]
+    lo, hi = mask_bounds(T, S, causal, window)
+    if softcap > 0:
+        scales = (1.0, softmax_scale / softcap, softcap * LOG2E)
+    else:
+        scales = (softmax_scale * LOG2E, 0.0, 0.0)
+    return (*scales, H, H // HK, T, S, D, lo, hi, mask_kind(causal, window), next_pow2(T),
+            next_pow2(S), B * H, _heads_per_group(q, causal))
+
+
+def head_block(D: int) -> int:
+    """BLOCK_D: the head dim padded to a power of two, at least 16."""
+    return max(16, next_pow2(D))
 
 
 def _grid(blocks_of: str, T: int, BH: int):
@@ -264,21 +339,27 @@ def _grid(blocks_of: str, T: int, BH: int):
 
 
 def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                  softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """q, k, v: (B, H, T, D) -> o: (B, H, T, D), lse2: (B, H, T) fp32 (fp64).
-
-    o is laid out as (B, T, H, D) (see output_buffer)."""
-    B, H, T, D, block_d, acc, qk_scale = _common_args(q, softmax_scale)
+                  softmax_scale: float, window: tuple[int, int] = (-1, -1),
+                  softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """q: (B, H, T, D), k, v: (B, HK, S, D), H a multiple of HK -> o: (B, H, T, D), lse2:
+    (B, H, T) fp32 (fp64). o is laid out as (B, T, H, D) (see output_buffer)."""
+    B, H, T, D = q.shape
     o = output_buffer(q)
-    lse = torch.empty((B, H, T), device=q.device,
-                      dtype=stat_dtype(q))
-    key = (q.shape, q.stride(), k.stride(), v.stride(), q.dtype, causal)
+    lse = torch.empty((B, H, T), device=q.device, dtype=stat_dtype(q))
+    key = (q.shape, k.shape, q.stride(), k.stride(), v.stride(), q.dtype, causal, window,
+           softcap > 0)
+    args = kernel_args(q, k, causal, window, softmax_scale, softcap)
     _attn_fwd_kernel.planned(key, (
-        q, k, v, o, lse, qk_scale, H, T, D, next_pow2(T), B * H, _heads_per_group(q, causal),
-        *q.stride(), *k.stride(), *v.stride(), *o.stride()), lambda: (
-            _grid("BLOCK_M", T, B * H), dict(CAUSAL=causal, ACC=acc, PRECISION=dot_precision(q),
-                                             BLOCK_D=block_d, TMA=_loads_through_tma(k, v))))
+        q, k, v, o, lse, *args, *q.stride(), *k.stride(), *v.stride(), *o.stride()), lambda: (
+            _grid("BLOCK_M", T, B * H), dict(
+                SOFTCAP=softcap > 0, ACC=acc_dtype(q), PRECISION=dot_precision(q),
+                BLOCK_D=head_block(D), TMA=_loads_through_tma(k, v))))
     return o, lse
+
+
+def acc_dtype(q: torch.Tensor):
+    """The kernels' accumulator dtype: fp64 for fp64 data, else fp32."""
+    return tl.float64 if q.dtype == torch.float64 else tl.float32
 
 
 def output_buffer(q: torch.Tensor) -> torch.Tensor:

@@ -9,20 +9,22 @@ import torch
 import triton
 import triton.language as tl
 
-from fusedtrain.kernels._device import ceil_div, dot_precision, next_pow2, stat_dtype
-from fusedtrain.kernels._primitives import cdiv, device_fn, row_sum
+from fusedtrain.kernels._device import ceil_div, dot_precision, stat_dtype
+from fusedtrain.kernels._primitives import cdiv, device_fn, row_sum, tanh
 from fusedtrain.kernels._tuning import autotune
 from fusedtrain.kernels.attention import (
     BIAS_GRAIN,
     BWD_KV_CONFIGS,
+    BWD_KV_HEAD_256,
     BWD_Q_CONFIGS,
+    BWD_Q_HEAD_256,
     INTERPRET_CONFIG,
     WIDE_CONFIGS,
-    _common_args,
+    _clamped_ranges,
     _dkdv_fits,
+    _for_head_dim,
     _grid,
-    _heads_per_group,
-    _key_block_ranges,
+    _key_blocks,
     _load_rows,
     _load_tile,
     _loads_through_tma,
@@ -31,15 +33,33 @@ from fusedtrain.kernels.attention import (
     _slice_base,
     _store_rows,
     _visible,
+    acc_dtype,
     grad_buffer,
+    head_block,
+    kernel_args,
+    output_buffer,
 )
 from fusedtrain.kernels.bias_grad import bias_grad
+
+_KEY = ["T_BUCKET", "S_BUCKET", "BLOCK_D", "MASK", "SOFTCAP", "GROUPED", "TMA"]
+
+
+@device_fn
+def _scores_bwd(s, qk_scale, cap_in, cap_out, SOFTCAP: tl.constexpr):
+    """Raw scores s = q k^T -> (the base-2 scores the forward exponentiated, the factor
+    their gradient takes on its way back to s * scale: 1 - tanh^2 with a softcap, else 1;
+    see attention.softcapped)."""
+    if SOFTCAP:
+        t = tanh(s * cap_in)
+        return cap_out * t, 1.0 - t * t
+    else:
+        return s * qk_scale, 1.0
 
 
 @device_fn
 def _dkdv_blocks(dk, dv, k, v, q_src, do_src, lse_base, delta_base, offs_n, offs_d, d_ok, T,
-                 qk_scale, s_qt, s_qd, s_gt, s_gd, blk_lo, blk_hi,
-                 MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
+                 S, LO, HI, qk_scale, cap_in, cap_out, s_qt, s_qd, s_gt, s_gd, blk_lo, blk_hi,
+                 MASKED: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr,
                  ACC: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr):
     """Accumulate dK, dV of one key block over query blocks [blk_lo, blk_hi); works on
     transposed scores sT = k q^T so that dv += pT @ dO and dk += dsT @ q need no transposes
@@ -51,7 +71,8 @@ def _dkdv_blocks(dk, dv, k, v, q_src, do_src, lse_base, delta_base, offs_n, offs
         do = _load_tile(do_src, blk * BLOCK_M, offs_m, offs_d, s_gt, s_gd, m_ok, d_ok, TMA)
         lse = tl.load(lse_base + offs_m, mask=m_ok, other=0.0)
         delta = tl.load(delta_base + offs_m, mask=m_ok, other=0.0)
-        sT = tl.dot(k, tl.trans(q), input_precision=PRECISION, out_dtype=ACC) * qk_scale
+        sT, slope = _scores_bwd(tl.dot(k, tl.trans(q), input_precision=PRECISION,
+                                       out_dtype=ACC), qk_scale, cap_in, cap_out, SOFTCAP)
         # Both score-shaped products before the exponentials (here and in _dq_blocks): the
         # second is then issued while the first is still running, not after the softmax.
         # H200, gpt2's causal shape: dk/dv alone 3-5% faster, the whole backward 283 ->
@@ -59,88 +80,113 @@ def _dkdv_blocks(dk, dv, k, v, q_src, do_src, lse_base, delta_base, offs_n, offs
         dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION, out_dtype=ACC)
         pT = tl.exp2(sT - lse[None, :])
         if MASKED:
-            pT = tl.where(tl.trans(_visible(offs_m, offs_n, T, CAUSAL)), pT, 0.0)
+            pT = tl.where(tl.trans(_visible(offs_m, offs_n, T, S, LO, HI)), pT, 0.0)
         dv += tl.dot(pT.to(do.dtype), do, input_precision=PRECISION, out_dtype=ACC)
-        dsT = pT * (dpT - delta[None, :])
+        dsT = pT * (dpT - delta[None, :]) * slope
         dk += tl.dot(dsT.to(q.dtype), q, input_precision=PRECISION, out_dtype=ACC)
     return dk, dv
 
 
 @device_fn
-def _query_block_ranges(start_n, n_q_blocks, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr):
-    """For key rows [start_n, start_n + BLOCK_N): query blocks before `first` cannot see
-    them (causal); [first, diag) straddle the diagonal."""
-    if CAUSAL:
-        first = start_n // BLOCK_M
-        diag = tl.minimum(cdiv(start_n + BLOCK_N, BLOCK_M), n_q_blocks)
-    else:
-        first = 0
-        diag = 0
-    return first, diag
-
-
-@autotune(BWD_KV_CONFIGS, key=["T_BUCKET", "BLOCK_D", "CAUSAL", "TMA"], interpret=INTERPRET_CONFIG,
-          wide=WIDE_CONFIGS, keep=_dkdv_fits)
-@triton.jit
-def _attn_bwd_dkdv_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
-    qk_scale, sm_scale, H, T, D, T_BUCKET, BH, GROUP,
-    s_qb, s_qh, s_qt, s_qd, s_kb, s_kh, s_kt, s_kd, s_vb, s_vh, s_vt, s_vd,
-    s_gb, s_gh, s_gt, s_gd, s_db, s_dh, s_dt, s_dd,
-    CAUSAL: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr, BLOCK_D: tl.constexpr,
-    TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    bh, block = _schedule(cdiv(T, BLOCK_N), BH, GROUP, True)
-    start_n = block * BLOCK_N
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    n_ok, d_ok = offs_n < T, offs_d < D
-    k = _load_rows(_slice_base(k_ptr, bh, H, s_kb, s_kh), offs_n, offs_d, s_kt, s_kd, n_ok, d_ok)
-    v = _load_rows(_slice_base(v_ptr, bh, H, s_vb, s_vh), offs_n, offs_d, s_vt, s_vd, n_ok, d_ok)
-    q_src = _row_source(_slice_base(q_ptr, bh, H, s_qb, s_qh), T, D, s_qt, TMA, BLOCK_M, BLOCK_D)
-    do_src = _row_source(_slice_base(do_ptr, bh, H, s_gb, s_gh), T, D, s_gt, TMA, BLOCK_M,
-                         BLOCK_D)
-    lse_base = lse_ptr + bh.to(tl.int64) * T
-    delta_base = delta_ptr + bh.to(tl.int64) * T
-    dk = tl.full((BLOCK_N, BLOCK_D), 0.0, ACC)
-    dv = tl.full((BLOCK_N, BLOCK_D), 0.0, ACC)
-    # Query blocks: [first, diag) straddle the diagonal (masked), [diag, full) are clear,
-    # [full, last) hold the sequence end (masked).
-    n_q_blocks = cdiv(T, BLOCK_M)
-    first, diag = _query_block_ranges(start_n, n_q_blocks, CAUSAL, BLOCK_M, BLOCK_N)
-    full = tl.maximum(diag, T // BLOCK_M)
-    dk, dv = _dkdv_blocks(dk, dv, k, v, q_src, do_src, lse_base, delta_base, offs_n, offs_d,
-                          d_ok, T, qk_scale, s_qt, s_qd, s_gt, s_gd, first, diag,
-                          True, CAUSAL, BLOCK_M, ACC, PRECISION, TMA)
-    dk, dv = _dkdv_blocks(dk, dv, k, v, q_src, do_src, lse_base, delta_base, offs_n, offs_d,
-                          d_ok, T, qk_scale, s_qt, s_qd, s_gt, s_gd, diag, full,
-                          False, CAUSAL, BLOCK_M, ACC, PRECISION, TMA)
-    dk, dv = _dkdv_blocks(dk, dv, k, v, q_src, do_src, lse_base, delta_base, offs_n, offs_d,
-                          d_ok, T, qk_scale, s_qt, s_qd, s_gt, s_gd, full, n_q_blocks,
-                          True, CAUSAL, BLOCK_M, ACC, PRECISION, TMA)
-    _store_rows(_slice_base(dk_ptr, bh, H, s_db, s_dh), dk * sm_scale, offs_n, offs_d, s_dt,
-                s_dd, n_ok, d_ok)
-    _store_rows(_slice_base(dv_ptr, bh, H, s_db, s_dh), dv, offs_n, offs_d, s_dt, s_dd, n_ok,
-                d_ok)
+def _query_blocks(start_n, T, LO, HI, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Query blocks for key rows [start_n, start_n + BLOCK_N), as attention._key_blocks
+    for key blocks: (lo, u_lo, u_hi, hi), [u_lo, u_hi) needing no mask (every row there
+    sees every key of the block, and lies before T)."""
+    lo = tl.maximum(start_n - HI, 0) // BLOCK_M
+    hi = cdiv(tl.maximum(tl.minimum(start_n + BLOCK_N - LO, T), 0), BLOCK_M)
+    u_lo = cdiv(tl.maximum(start_n + BLOCK_N - 1 - HI, 0), BLOCK_M)
+    u_hi = tl.minimum(tl.maximum(start_n - LO + 1, 0) // BLOCK_M, T // BLOCK_M)
+    return _clamped_ranges(lo, u_lo, u_hi, hi)
 
 
 @device_fn
-def _dq_blocks(dq, q, do, lse, delta, k_src, v_src, offs_m, offs_d, d_ok, T, qk_scale,
-               s_kt, s_kd, s_vt, s_vd, blk_lo, blk_hi,
-               MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
+def _dkdv_head(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, bh, offs_n, offs_d, d_ok,
+               H, T, S, D, LO, HI, qk_scale, cap_in, cap_out, s_qb, s_qh, s_qt, s_qd,
+               s_gb, s_gh, s_gt, s_gd, q_lo, u_lo, u_hi, q_hi,
+               SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+               ACC: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr):
+    """dK, dV of one key block accumulated over the query blocks of query head bh (of
+    B * H): [q_lo, u_lo) and [u_hi, q_hi) masked, [u_lo, u_hi) clear."""
+    q_src = _row_source(_slice_base(q_ptr, bh, H, 1, s_qb, s_qh), T, D, s_qt, TMA, BLOCK_M,
+                        BLOCK_D)
+    do_src = _row_source(_slice_base(do_ptr, bh, H, 1, s_gb, s_gh), T, D, s_gt, TMA, BLOCK_M,
+                         BLOCK_D)
+    lse_base = lse_ptr + bh.to(tl.int64) * T
+    delta_base = delta_ptr + bh.to(tl.int64) * T
+    dk, dv = _dkdv_blocks(dk, dv, k, v, q_src, do_src, lse_base, delta_base, offs_n, offs_d,
+                          d_ok, T, S, LO, HI, qk_scale, cap_in, cap_out, s_qt, s_qd, s_gt,
+                          s_gd, q_lo, u_lo, True, SOFTCAP, BLOCK_M, ACC, PRECISION, TMA)
+    dk, dv = _dkdv_blocks(dk, dv, k, v, q_src, do_src, lse_base, delta_base, offs_n, offs_d,
+                          d_ok, T, S, LO, HI, qk_scale, cap_in, cap_out, s_qt, s_qd, s_gt,
+                          s_gd, u_lo, u_hi, False, SOFTCAP, BLOCK_M, ACC, PRECISION, TMA)
+    dk, dv = _dkdv_blocks(dk, dv, k, v, q_src, do_src, lse_base, delta_base, offs_n, offs_d,
+                          d_ok, T, S, LO, HI, qk_scale, cap_in, cap_out, s_qt, s_qd, s_gt,
+                          s_gd, u_hi, q_hi, True, SOFTCAP, BLOCK_M, ACC, PRECISION, TMA)
+    return dk, dv
+
+
+@autotune(BWD_KV_CONFIGS + BWD_KV_HEAD_256, key=_KEY, interpret=INTERPRET_CONFIG,
+          wide=WIDE_CONFIGS, keep=_dkdv_fits)
+@triton.jit
+def _attn_bwd_dkdv_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, sm_scale,
+    qk_scale, cap_in, cap_out, H, G, T, S, D, LO, HI, MASK, T_BUCKET, S_BUCKET, BH, GROUP,
+    s_qb, s_qh, s_qt, s_qd, s_kb, s_kh, s_kt, s_kd, s_vb, s_vh, s_vt, s_vd,
+    s_gb, s_gh, s_gt, s_gd, s_db, s_dh, s_dt, s_dd,
+    SOFTCAP: tl.constexpr, GROUPED: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_D: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # One program per (key block, batch * key/value head); GROUPED: G query heads read
+    # each key/value head, and its program sums their gradients in turn (no atomics).
+    HK = H // G
+    bhk, block = _schedule(cdiv(S, BLOCK_N), BH // G, GROUP, True)
+    start_n = block * BLOCK_N
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    n_ok, d_ok = offs_n < S, offs_d < D
+    k = _load_rows(_slice_base(k_ptr, bhk, HK, 1, s_kb, s_kh), offs_n, offs_d, s_kt, s_kd, n_ok,
+                   d_ok)
+    v = _load_rows(_slice_base(v_ptr, bhk, HK, 1, s_vb, s_vh), offs_n, offs_d, s_vt, s_vd, n_ok,
+                   d_ok)
+    dk = tl.full((BLOCK_N, BLOCK_D), 0.0, ACC)
+    dv = tl.full((BLOCK_N, BLOCK_D), 0.0, ACC)
+    q_lo, u_lo, u_hi, q_hi = _query_blocks(start_n, T, LO, HI, BLOCK_M, BLOCK_N)
+    first = (bhk // HK) * H + (bhk % HK) * G  # the first query head reading this one
+    if GROUPED:
+        for g in range(G):
+            dk, dv = _dkdv_head(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, first + g,
+                                offs_n, offs_d, d_ok, H, T, S, D, LO, HI, qk_scale, cap_in,
+                                cap_out, s_qb, s_qh, s_qt, s_qd, s_gb, s_gh, s_gt, s_gd, q_lo,
+                                u_lo, u_hi, q_hi, SOFTCAP, BLOCK_M, BLOCK_D, ACC, PRECISION,
+                                TMA)
+    else:
+        dk, dv = _dkdv_head(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, first, offs_n,
+                            offs_d, d_ok, H, T, S, D, LO, HI, qk_scale, cap_in, cap_out, s_qb,
+                            s_qh, s_qt, s_qd, s_gb, s_gh, s_gt, s_gd, q_lo, u_lo, u_hi, q_hi,
+                            SOFTCAP, BLOCK_M, BLOCK_D, ACC, PRECISION, TMA)
+    _store_rows(_slice_base(dk_ptr, bhk, HK, 1, s_db, s_dh), dk * sm_scale, offs_n, offs_d,
+                s_dt, s_dd, n_ok, d_ok)
+    _store_rows(_slice_base(dv_ptr, bhk, HK, 1, s_db, s_dh), dv, offs_n, offs_d, s_dt, s_dd,
+                n_ok, d_ok)
+
+
+@device_fn
+def _dq_blocks(dq, q, do, lse, delta, k_src, v_src, offs_m, offs_d, d_ok, T, S, LO, HI,
+               qk_scale, cap_in, cap_out, s_kt, s_kd, s_vt, s_vd, blk_lo, blk_hi,
+               MASKED: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_N: tl.constexpr,
                ACC: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr):
     for blk in range(blk_lo, blk_hi):
         offs_n = blk * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < T
+        n_ok = offs_n < S
         k = _load_tile(k_src, blk * BLOCK_N, offs_n, offs_d, s_kt, s_kd, n_ok, d_ok, TMA)
         v = _load_tile(v_src, blk * BLOCK_N, offs_n, offs_d, s_vt, s_vd, n_ok, d_ok, TMA)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION, out_dtype=ACC) * qk_scale
+        s, slope = _scores_bwd(tl.dot(q, tl.trans(k), input_precision=PRECISION,
+                                      out_dtype=ACC), qk_scale, cap_in, cap_out, SOFTCAP)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION, out_dtype=ACC)
         p = tl.exp2(s - lse[:, None])
         if MASKED:
-            p = tl.where(_visible(offs_m, offs_n, T, CAUSAL), p, 0.0)
-        ds = p * (dp - delta[:, None])
+            p = tl.where(_visible(offs_m, offs_n, T, S, LO, HI), p, 0.0)
+        ds = p * (dp - delta[:, None]) * slope
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION, out_dtype=ACC)
     return dq
 
@@ -164,17 +210,17 @@ def _store_grain_rows(ptr, sums, row_stride, rows_left, offs_d, d_ok):
     tl.store(ptrs, sums.to(ptr.dtype.element_ty), mask=(rows < rows_left)[:, None] & d_ok[None, :])
 
 
-@autotune(BWD_Q_CONFIGS, key=["T_BUCKET", "BLOCK_D", "CAUSAL", "TMA", "BIAS_SUMS"],
-          interpret=INTERPRET_CONFIG, wide=WIDE_CONFIGS)
+@autotune(BWD_Q_CONFIGS + BWD_Q_HEAD_256, key=[*_KEY, "BIAS_SUMS"], interpret=INTERPRET_CONFIG,
+          wide=WIDE_CONFIGS, keep=_for_head_dim(BWD_Q_HEAD_256))
 @triton.jit
 def _attn_bwd_dq_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, part_ptr,
-    qk_scale, sm_scale, H, T, D, T_BUCKET, BH, GROUP,
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, part_ptr, sm_scale,
+    qk_scale, cap_in, cap_out, H, G, T, S, D, LO, HI, MASK, T_BUCKET, S_BUCKET, BH, GROUP,
     s_qb, s_qh, s_qt, s_qd, s_kb, s_kh, s_kt, s_kd, s_vb, s_vh, s_vt, s_vd,
     s_gb, s_gh, s_gt, s_gd, s_db, s_dh, s_dt, s_dd,
     o_ptr, s_ob, s_oh, s_ot, s_od,
-    CAUSAL: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr, BLOCK_D: tl.constexpr,
-    TMA: tl.constexpr, BIAS_SUMS: tl.constexpr, GRAIN: tl.constexpr,
+    SOFTCAP: tl.constexpr, GROUPED: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_D: tl.constexpr, TMA: tl.constexpr, BIAS_SUMS: tl.constexpr, GRAIN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     bh, block = _schedule(cdiv(T, BLOCK_M), BH, GROUP, False)
@@ -182,8 +228,9 @@ def _attn_bwd_dq_kernel(
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     m_ok, d_ok = offs_m < T, offs_d < D
-    q = _load_rows(_slice_base(q_ptr, bh, H, s_qb, s_qh), offs_m, offs_d, s_qt, s_qd, m_ok, d_ok)
-    do = _load_rows(_slice_base(do_ptr, bh, H, s_gb, s_gh), offs_m, offs_d, s_gt, s_gd, m_ok,
+    q = _load_rows(_slice_base(q_ptr, bh, H, 1, s_qb, s_qh), offs_m, offs_d, s_qt, s_qd, m_ok,
+                   d_ok)
+    do = _load_rows(_slice_base(do_ptr, bh, H, 1, s_gb, s_gh), offs_m, offs_d, s_gt, s_gd, m_ok,
                     d_ok)
     if BIAS_SUMS:
         # Row (batch, query grain) of the (B * T / GRAIN, 3, H, D) partial sums, at head h:
@@ -198,19 +245,27 @@ def _attn_bwd_dq_kernel(
                           d_ok)
         _store_grain_rows(base + 2 * C, do_sums, 3 * C, rows_left, offs_d, d_ok)
     lse = tl.load(lse_ptr + bh.to(tl.int64) * T + offs_m, mask=m_ok, other=0.0)
-    o = _load_rows(_slice_base(o_ptr, bh, H, s_ob, s_oh), offs_m, offs_d, s_ot, s_od, m_ok, d_ok)
+    o = _load_rows(_slice_base(o_ptr, bh, H, 1, s_ob, s_oh), offs_m, offs_d, s_ot, s_od, m_ok,
+                   d_ok)
     delta = row_sum(o.to(ACC) * do.to(ACC), 1)
     tl.store(delta_ptr + bh.to(tl.int64) * T + offs_m, delta, mask=m_ok)  # for dk/dv
-    k_src = _row_source(_slice_base(k_ptr, bh, H, s_kb, s_kh), T, D, s_kt, TMA, BLOCK_N, BLOCK_D)
-    v_src = _row_source(_slice_base(v_ptr, bh, H, s_vb, s_vh), T, D, s_vt, TMA, BLOCK_N, BLOCK_D)
+    k_src = _row_source(_slice_base(k_ptr, bh, H, G, s_kb, s_kh), S, D, s_kt, TMA, BLOCK_N,
+                        BLOCK_D)
+    v_src = _row_source(_slice_base(v_ptr, bh, H, G, s_vb, s_vh), S, D, s_vt, TMA, BLOCK_N,
+                        BLOCK_D)
     dq = tl.full((BLOCK_M, BLOCK_D), 0.0, ACC)
-    full, last = _key_block_ranges(start_m, T, CAUSAL, BLOCK_M, BLOCK_N)
-    dq = _dq_blocks(dq, q, do, lse, delta, k_src, v_src, offs_m, offs_d, d_ok, T, qk_scale,
-                    s_kt, s_kd, s_vt, s_vd, 0, full, False, CAUSAL, BLOCK_N, ACC, PRECISION, TMA)
-    dq = _dq_blocks(dq, q, do, lse, delta, k_src, v_src, offs_m, offs_d, d_ok, T, qk_scale,
-                    s_kt, s_kd, s_vt, s_vd, full, last, True, CAUSAL, BLOCK_N, ACC, PRECISION, TMA)
+    lo, u_lo, u_hi, hi = _key_blocks(start_m, S, LO, HI, BLOCK_M, BLOCK_N)
+    dq = _dq_blocks(dq, q, do, lse, delta, k_src, v_src, offs_m, offs_d, d_ok, T, S, LO, HI,
+                    qk_scale, cap_in, cap_out, s_kt, s_kd, s_vt, s_vd, lo, u_lo, True, SOFTCAP,
+                    BLOCK_N, ACC, PRECISION, TMA)
+    dq = _dq_blocks(dq, q, do, lse, delta, k_src, v_src, offs_m, offs_d, d_ok, T, S, LO, HI,
+                    qk_scale, cap_in, cap_out, s_kt, s_kd, s_vt, s_vd, u_lo, u_hi, False,
+                    SOFTCAP, BLOCK_N, ACC, PRECISION, TMA)
+    dq = _dq_blocks(dq, q, do, lse, delta, k_src, v_src, offs_m, offs_d, d_ok, T, S, LO, HI,
+                    qk_scale, cap_in, cap_out, s_kt, s_kd, s_vt, s_vd, u_hi, hi, True, SOFTCAP,
+                    BLOCK_N, ACC, PRECISION, TMA)
     dq = dq * sm_scale
-    _store_rows(_slice_base(dq_ptr, bh, H, s_db, s_dh), dq, offs_m, offs_d, s_dt, s_dd, m_ok,
+    _store_rows(_slice_base(dq_ptr, bh, H, 1, s_db, s_dh), dq, offs_m, offs_d, s_dt, s_dd, m_ok,
                 d_ok)
     if BIAS_SUMS:  # dq's column sums; the row recomputed, not kept live through the loop
         C = H * D
@@ -220,39 +275,62 @@ def _attn_bwd_dq_kernel(
                           d_ok)
 
 
+def packed_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the gradients come as one grad_buffer (q, k, v of one shape), which a packed
+    QKV projection's backward reads whole; else as three tensors (gradient_buffers)."""
+    return k.shape == q.shape and v.shape == q.shape
+
+
+def gradient_buffers(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Uninitialised dq, dk, dv for attention_bwd: views of one grad_buffer where
+    packed_grads holds, else each laid out as output_buffer (heads inside tokens)."""
+    if packed_grads(q, k, v):
+        return tuple(grad_buffer(q).unbind(0))
+    return output_buffer(q), output_buffer(k), output_buffer(v)
+
 
 def attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  o: torch.Tensor, lse: torch.Tensor, causal: bool, softmax_scale: float,
-                  bias_grad_dtype: torch.dtype | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Gradients stacked: (3, B, H, T, D) = [dq, dk, dv], laid out by grad_buffer; and, for
-    a bias_grad_dtype, the gradient (3 * H * D,) in that dtype of a bias b = [b_q | b_k |
-    b_v] added to q, k, v before the attention (by the projection that made them), else
-    None. Its sums come from the dq kernel, without reading dq, dk, dv again: b_q's
-    gradient is dq's column sums; b_k's is zero (it adds q_i . b_k to every score of row
-    i, which the softmax cancels); b_v's is dO's column sums (every row of probabilities
-    sums to one, so b_v passes to the output unchanged). Each query row sees a key (causal
-    or not), so the last two hold exactly."""
-    B, H, T, D, block_d, acc, qk_scale = _common_args(q, softmax_scale)
+                  o: torch.Tensor, lse: torch.Tensor, grads: tuple[torch.Tensor, ...],
+                  causal: bool, softmax_scale: float, window: tuple[int, int] = (-1, -1),
+                  softcap: float = 0.0, bias_grad_dtype: torch.dtype | None = None
+                  ) -> torch.Tensor | None:
+    """Writes the gradients of q: (B, H, T, D) and k, v: (B, HK, S, D) into grads = (dq,
+    dk, dv) (see gradient_buffers; dk and dv of one layout). Grouped heads (HK < H): each
+    key/value head's gradient sums over the H // HK query heads that read it.
+
+    Returns, for a bias_grad_dtype (q, k, v of one shape only), the gradient (3 * H * D,)
+    in that dtype of a bias b = [b_q | b_k | b_v] added to q, k, v before the attention
+    (by the projection that made them), else None. Its sums come from the dq kernel,
+    without reading dq, dk, dv again: b_q's gradient is dq's column sums; b_k's is zero (it
+    adds q_i . b_k to every score of row i, which the softmax cancels); b_v's is dO's
+    column sums (every row of probabilities sums to one, so b_v passes to the output
+    unchanged). With S = T each query row sees at least its own key under any mask here,
+    so the last two hold exactly."""
+    B, H, T, D = q.shape
+    S = k.shape[2]
     delta = torch.empty_like(lse)  # rowsum(dO * O): written by the dq kernel
-    grads = grad_buffer(q)
-    dq, dk, dv = grads.unbind(0)
+    dq, dk, dv = grads
     bias_sums = bias_grad_dtype is not None
+    if bias_sums and not packed_grads(q, k, v):
+        raise ValueError("a QKV bias gradient needs q, k and v of one shape")
     parts = (torch.empty((B * ceil_div(T, BIAS_GRAIN), 3 * H * D), device=q.device,
                          dtype=stat_dtype(q)) if bias_sums else delta)  # delta: not written
-    args = (qk_scale, softmax_scale, H, T, D, next_pow2(T), B * H,
-            _heads_per_group(q, causal),
-            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride())
-    key = (q.shape, q.stride(), k.stride(), v.stride(), do.stride(), o.stride(), q.dtype,
-           causal, bias_sums)
+    shared = kernel_args(q, k, causal, window, softmax_scale, softcap)
+    strides = (*q.stride(), *k.stride(), *v.stride(), *do.stride())
+    key = (q.shape, k.shape, q.stride(), k.stride(), v.stride(), do.stride(), o.stride(),
+           q.dtype, causal, window, softcap > 0, bias_sums)
 
     def meta():
-        return dict(CAUSAL=causal, ACC=acc, PRECISION=dot_precision(q), BLOCK_D=block_d,
+        return dict(SOFTCAP=softcap > 0, GROUPED=k.shape[1] != H, ACC=acc_dtype(q),
+                    PRECISION=dot_precision(q), BLOCK_D=head_block(D),
                     TMA=_loads_through_tma(q, k, v, do))
 
     _attn_bwd_dq_kernel.planned(
-        key, (q, k, v, do, lse, delta, dq, parts, *args, o, *o.stride()),
+        key, (q, k, v, do, lse, delta, dq, parts, softmax_scale, *shared, *strides,
+              *dq.stride(), o, *o.stride()),
         lambda: (_grid("BLOCK_M", T, B * H), dict(BIAS_SUMS=bias_sums, GRAIN=BIAS_GRAIN, **meta())))
-    _attn_bwd_dkdv_kernel.planned(key, (q, k, v, do, lse, delta, dk, dv, *args),
-                                  lambda: (_grid("BLOCK_N", T, B * H), meta()))
-    return grads, bias_grad(parts, bias_grad_dtype) if bias_sums else None
+    _attn_bwd_dkdv_kernel.planned(
+        key, (q, k, v, do, lse, delta, dk, dv, softmax_scale, *shared, *strides, *dk.stride()),
+        lambda: (_grid("BLOCK_N", S, B * k.shape[1]), meta()))
+    return bias_grad(parts, bias_grad_dtype) if bias_sums else None

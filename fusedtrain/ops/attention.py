@@ -1,6 +1,8 @@
-"""Differentiable flash attention: q, k, v (B, H, T, D) -> o (B, H, T, D)."""
+"""Differentiable flash attention: q (B, Hq, T, D), k, v (B, Hkv, S, D) -> o (B, Hq, T, D)."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch.utils.flop_counter import register_flop_formula
@@ -15,68 +17,97 @@ Tensor = torch.Tensor
 
 
 @launcher("attention_fwd")
-def attention_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool,
-                   softmax_scale: float) -> tuple[Tensor, Tensor]:
-    return K.attention_fwd(q, k, v, causal, softmax_scale)
+def attention_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: float,
+                  window_left: int = -1, window_right: int = -1,
+                  softcap: float = 0.0) -> tuple[Tensor, Tensor]:
+    return K.attention_fwd(q, k, v, causal, softmax_scale, (window_left, window_right), softcap)
 
 
 @attention_fwd.register_fake
-def _(q, k, v, causal, softmax_scale):
+def _(q, k, v, causal, softmax_scale, window_left=-1, window_right=-1, softcap=0.0):
     return K.output_buffer(q), q.new_empty(q.shape[:3], dtype=stat_dtype(q))
 
 
 @launcher("attention_bwd")
 def attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
-                   causal: bool, softmax_scale: float,
-                   bias_grad_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
-    """(3, B, H, T, D): dq, dk, dv in one buffer laid out as K.grad_buffer (a custom op's
-    outputs may not alias, so the three views are taken by the caller); and the gradient
-    (3C,) of a bias added to q, k, v before the attention, in bias_grad_dtype, or an empty
-    tensor without one (see KB.attention_bwd)."""
-    grads, db = KB.attention_bwd(do, q, k, v, o, lse, causal, softmax_scale, bias_grad_dtype)
+                  causal: bool, softmax_scale: float, window_left: int = -1,
+                  window_right: int = -1, softcap: float = 0.0,
+                  bias_grad_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
+    """q, k, v of one shape (B, H, T, D) -> (3, B, H, T, D): dq, dk, dv in one buffer laid
+    out as K.grad_buffer (a custom op's outputs may not alias, so the three views are taken
+    by the caller); and the gradient (3C,) of a bias added to q, k, v before the attention,
+    in bias_grad_dtype, or an empty tensor without one (see KB.attention_bwd)."""
+    grads = K.grad_buffer(q)
+    db = KB.attention_bwd(do, q, k, v, o, lse, grads.unbind(0), causal, softmax_scale,
+                          (window_left, window_right), softcap, bias_grad_dtype)
     return grads, db if db is not None else q.new_empty(0)
 
 
 @attention_bwd.register_fake
-def _(do, q, k, v, o, lse, causal, softmax_scale, bias_grad_dtype=None):
+def _(do, q, k, v, o, lse, causal, softmax_scale, window_left=-1, window_right=-1,
+      softcap=0.0, bias_grad_dtype=None):
     B, H, T, D = q.shape
     db = (q.new_empty(3 * H * D, dtype=bias_grad_dtype) if bias_grad_dtype is not None
           else q.new_empty(0))
     return K.grad_buffer(q), db
 
 
-def _attention_flops(q_shape, causal: bool, matmuls: int) -> int:
+@launcher("attention_bwd_grouped")
+def attention_bwd_grouped(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
+                          causal: bool, softmax_scale: float, window_left: int,
+                          window_right: int, softcap: float) -> tuple[Tensor, Tensor, Tensor]:
+    """q: (B, H, T, D), k, v: (B, HK, S, D) of another shape (grouped heads, or S != T) ->
+    dq, dk, dv, each laid out as K.output_buffer."""
+    grads = KB.gradient_buffers(q, k, v)
+    KB.attention_bwd(do, q, k, v, o, lse, grads, causal, softmax_scale,
+                     (window_left, window_right), softcap)
+    return grads
+
+
+@attention_bwd_grouped.register_fake
+def _(do, q, k, v, o, lse, causal, softmax_scale, window_left, window_right, softcap):
+    return K.output_buffer(q), K.output_buffer(k), K.output_buffer(v)
+
+
+def _attention_flops(q_shape, k_shape, causal: bool, matmuls: int) -> int:
+    """matmuls (T, S)-shaped products of D: all of them without a mask, half under a
+    causal one with T = S (masked blocks are skipped), counted whole otherwise."""
     B, H, T, D = q_shape
-    flops = matmuls * 2 * B * H * T * T * D
-    return flops // 2 if causal else flops  # causal: only the lower triangle is computed
+    flops = matmuls * 2 * B * H * T * k_shape[2] * D
+    return flops // 2 if causal and k_shape[2] == T else flops
 
 
 @register_flop_formula(torch.ops.fusedtrain.attention_fwd)
 def _(q_shape, k_shape, v_shape, causal, *args, **kwargs) -> int:
-    return _attention_flops(q_shape, causal, matmuls=2)
+    return _attention_flops(q_shape, k_shape, causal, matmuls=2)
 
 
-@register_flop_formula(torch.ops.fusedtrain.attention_bwd)
+@register_flop_formula([torch.ops.fusedtrain.attention_bwd,
+                        torch.ops.fusedtrain.attention_bwd_grouped])
 def _(do_shape, q_shape, k_shape, v_shape, o_shape, lse_shape, causal, *args, **kwargs) -> int:
-    return _attention_flops(q_shape, causal, matmuls=5)  # s recomputed, dv, dp, dq, dk
+    return _attention_flops(q_shape, k_shape, causal, matmuls=5)  # s recomputed, dv, dp, dq, dk
 
 
 class FlashAttentionFunction(torch.autograd.Function):
-    """Saves q, k, v, o and the fp32 row log-sum-exp; never the (T, T) matrix."""
+    """Saves q, k, v, o and the fp32 row log-sum-exp; never the (T, S) matrix."""
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: float):
-        o, lse = attention_fwd(q, k, v, causal, softmax_scale)
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: float,
+                window: tuple[int, int], softcap: float):
+        o, lse = attention_fwd(q, k, v, causal, softmax_scale, *window, softcap)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.causal, ctx.softmax_scale = causal, softmax_scale
+        ctx.args = (causal, softmax_scale, *window, softcap)
+        ctx.packed = KB.packed_grads(q, k, v)
         return o
 
     @staticmethod
     def backward(ctx, do: Tensor):
         q, k, v, o, lse = ctx.saved_tensors
-        grads, _ = attention_bwd(do, q, k, v, o, lse, ctx.causal, ctx.softmax_scale)
-        dq, dk, dv = grads.unbind(0)
-        return dq, dk, dv, None, None
+        if ctx.packed:
+            dq, dk, dv = attention_bwd(do, q, k, v, o, lse, *ctx.args)[0].unbind(0)
+        else:
+            dq, dk, dv = attention_bwd_grouped(do, q, k, v, o, lse, *ctx.args)
+        return dq, dk, dv, None, None, None, None
 
 
 _apply_flash_attention = function_apply(FlashAttentionFunction)
@@ -94,23 +125,56 @@ def checked_scale(head_dim: int, softmax_scale: float | None) -> float:
     return scale
 
 
-def flash_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True,
-                    softmax_scale: float | None = None) -> Tensor:
-    """softmax(q k^T * scale [+ causal mask]) v without the (T, T) matrix in memory.
+def checked_window(window) -> tuple[int, int]:
+    """window=(left, right) as two ints >= -1 (-1: unbounded); None: (-1, -1)."""
+    if window is None:
+        return -1, -1
+    if (not isinstance(window, (tuple, list)) or len(window) != 2
+            or not all(isinstance(w, int) and not isinstance(w, bool) for w in window)):
+        raise ValueError(f"window must be None or a pair of ints (left, right), got {window!r}")
+    if min(window) < -1:
+        raise ValueError(f"window values must be >= 0, or -1 for unbounded; got {window!r}")
+    return int(window[0]), int(window[1])
 
-    q, k, v: (B, H, T, D), D <= 128, any strides -> o: (B, H, T, D), stored as
-    (B, T, H, D) so that merging the heads back, o.transpose(1, 2).reshape(B, T, H * D),
-    is a view.
-    softmax_scale defaults to 1 / sqrt(D).
+
+def checked_softcap(softcap) -> float:
+    """softcap as a positive finite float; None (no softcap): 0.0."""
+    if softcap is None:
+        return 0.0
+    cap = float(softcap)
+    if not 0 < cap < math.inf:
+        raise ValueError(f"softcap must be positive and finite, or None; got {softcap!r}")
+    return cap
+
+
+def flash_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True,
+                    softmax_scale: float | None = None, window: tuple[int, int] | None = None,
+                    softcap: float | None = None) -> Tensor:
+    """softmax(mask(softcap(q k^T * scale))) v without the (T, S) matrix in memory.
+
+    q: (B, Hq, T, D); k, v: (B, Hkv, S, D) with Hq % Hkv == 0: query head h reads
+    key/value head h // (Hq // Hkv) (Hkv == 1: multi-query). D <= 256, any strides.
+    Masks align to the bottom right: with causal, query i sees keys j <= i + S - T;
+    window=(left, right) shows key j to query i only if i + S - T - left <= j <=
+    i + S - T + right (-1: unbounded on that side), and causal sets right to 0.
+    softcap=c: scores become c * tanh(scores / c) after the scale, before the mask.
+    softmax_scale defaults to 1 / sqrt(D). Rows that see no key give zeros.
+    -> o: (B, Hq, T, D), stored as (B, T, Hq, D) so that merging the heads back,
+    o.transpose(1, 2).reshape(B, T, Hq * D), is a view.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, t, ndim=4)
-    if k.shape != q.shape or v.shape != q.shape:
-        raise ValueError(f"q, k, v must have the same shape (B, H, T, D); got q "
+    B, Hq, T, D = q.shape
+    if k.shape != v.shape or k.shape[0] != B or k.shape[3] != D:
+        raise ValueError(f"k and v must have one shape (B, Hkv, S, D) with q's B and D; got q "
                          f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    scale = checked_scale(q.shape[-1], softmax_scale)
+    if k.shape[1] == 0 or Hq % k.shape[1]:
+        raise ValueError(f"q's heads (Hq={Hq}) must be a multiple of k's and v's "
+                         f"(Hkv={k.shape[1]})")
+    scale = checked_scale(D, softmax_scale)
+    window, softcap = checked_window(window), checked_softcap(softcap)
     q, k, v = autocast_cast(q, k, v)
     check_same("q", q, k=k, v=v)
-    if q.numel() == 0:
-        return torch.empty_like(q)
-    return _apply_flash_attention(q, k, v, bool(causal), scale)
+    if q.numel() == 0 or k.shape[2] == 0:  # no rows, or no key to see: zeros
+        return q.new_zeros(q.shape)
+    return _apply_flash_attention(q, k, v, bool(causal), scale, window, softcap)

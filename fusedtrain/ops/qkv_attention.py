@@ -38,7 +38,8 @@ class QKVAttentionFunction(torch.autograd.Function):
     def backward(ctx, do: Tensor):
         x, weight, q, k, v, o, lse = ctx.saved_tensors
         w_dtype, b_dtype = ctx.dtypes
-        grads, db = attention_bwd(do, q, k, v, o, lse, ctx.causal, ctx.softmax_scale, b_dtype)
+        grads, db = attention_bwd(do, q, k, v, o, lse, ctx.causal, ctx.softmax_scale, -1, -1,
+                                  0.0, b_dtype)
         dx, dw, _ = qkv_bwd(*grads.unbind(0), x, weight, w_dtype, None)
         return dx, dw, None if b_dtype is None else db, None, None, None, None
 
