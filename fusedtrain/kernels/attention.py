@@ -70,7 +70,8 @@ BWD_Q_CONFIGS = _configs([(128, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3), (64,
 # and two stages: one 128 x 256 fp32 accumulator is 128 KiB of registers, and three stages
 # of 64 x 256 16-bit K and V tiles are 192 KiB of shared memory.
 FWD_HEAD_256 = _configs([(64, 64, 8, 2), (64, 32, 4, 2), (64, 32, 8, 2)])
-BWD_KV_HEAD_256 = _configs([(32, 64, 8, 1), (64, 64, 8, 1), (32, 32, 4, 1), (16, 64, 4, 1)])
+BWD_KV_HEAD_256 = _configs([(32, 64, 8, 1), (64, 64, 8, 1), (32, 32, 4, 1), (16, 64, 4, 1),
+                            (32, 32, 8, 1), (64, 32, 8, 1)])
 BWD_Q_HEAD_256 = _configs([(64, 32, 8, 2), (64, 64, 8, 1), (64, 32, 4, 2)])
 
 
