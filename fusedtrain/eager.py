@@ -119,6 +119,30 @@ def flash_attention(
     return torch.matmul(probs, v)
 
 
+def flash_attention_varlen(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool = True,
+    softmax_scale: float | None = None, window: tuple[int, int] | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """flash_attention of each packed sequence on its own: q: (Nq, Hq, D), k, v:
+    (Nk, Hkv, D), sequence b rows cu_seqlens_q[b]:[b + 1] of q and cu_seqlens_k[b]:[b + 1]
+    of k and v -> o: (Nq, Hq, D). max_seqlen_* are not needed here (the fused op's grid)."""
+    starts_q, starts_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    outs = []
+    for b in range(len(starts_q) - 1):
+        qs, ks = slice(starts_q[b], starts_q[b + 1]), slice(starts_k[b], starts_k[b + 1])
+        if qs.start == qs.stop:
+            continue
+        if ks.start == ks.stop:  # no key to see: zeros, as for a fully masked row
+            outs.append(q[qs] * 0)
+            continue
+        o = flash_attention(*(t[s].transpose(0, 1)[None] for t, s in ((q, qs), (k, ks), (v, ks))),
+                            causal, softmax_scale, window, softcap)
+        outs.append(o[0].transpose(0, 1))
+    return torch.cat(outs) if outs else q * 0
+
+
 def qkv_attention(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n_heads: int,
     causal: bool = True, softmax_scale: float | None = None,

@@ -12,7 +12,8 @@ multiples of 16). The compiler is this machine's triton, which may differ from t
 machine's (put that version first on PYTHONPATH, e.g. `pip install --no-deps --target DIR
 triton==3.6.0`): the figures guide, the GPU decides.
 
-  python scripts/compile_report.py [--head-dim 128] [--softcap] [--grouped] [--bias-sums]
+  python scripts/compile_report.py [--head-dim 128] [--softcap] [--grouped] [--varlen]
+      [--bias-sums]
       [--kernels fwd dkdv dq linear_gelu_fwd dgelu gelu_rhs qkv_fwd qkv_dx qkv_dw emb_fwd emb_bwd
                  linear_gelu_fwd_ws dgelu_ws qkv_fwd_ws ce_smem]
 
@@ -63,6 +64,8 @@ def argument_type(name: str, pointers: dict[str, str]) -> str:
     and strides."""
     if name in pointers:
         return pointers[name]
+    if name in ("cu_q_ptr", "cu_k_ptr"):  # a packed batch's cu_seqlens
+        return "*i32"
     if name.endswith("_ptr"):
         return "*fp32" if name in FP32_POINTERS else "*bf16"
     return "fp32" if name in ("qk_scale", "sm_scale", "cap_in", "cap_out") else "i32"
@@ -194,6 +197,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--softcap", action="store_true", help="the attention's softcapped scores")
     p.add_argument("--grouped", action="store_true",
                    help="the attention's grouped key/value heads (the dk/dv kernel's loop)")
+    p.add_argument("--varlen", action="store_true", help="the attention over a packed batch")
     p.add_argument("--kernels", nargs="+", choices=[*KERNELS, *WS_KERNELS],
                    default=[*KERNELS, *WS_KERNELS])
     p.add_argument("--bias-sums", action="store_true",
@@ -203,13 +207,14 @@ def main(argv: list[str] | None = None) -> None:
     # the fused gpt2 step runs them (bias, h stored, tanh GELU, column sums, stream-K sums
     # added in place, q, k, v stored a head at a time when the head dim allows).
     block_n = _table_config().kwargs["BLOCK_N"]
-    constexprs = dict(SOFTCAP=args.softcap, GROUPED=args.grouped, ACC=tl.float32, PRECISION="tf32",
+    constexprs = dict(VARLEN=args.varlen, SOFTCAP=args.softcap, GROUPED=args.grouped,
+                      ACC=tl.float32, PRECISION="tf32",
                       BLOCK_D=args.head_dim, TMA=True, BIAS_SUMS=args.bias_sums,
                       GRAIN=A.BIAS_GRAIN, HAS_BIAS=True, STORE_H=True, APPROX=FAST_TANH.value,
                       COL_SUMS=True, STREAM_K=True, POSITIONS=True,
                       HEAD_D=args.head_dim if args.head_dim in (block_n // 2, block_n // 4) else 0)
     print(f"triton {triton.__version__}, target sm_90, bf16, head dim {args.head_dim}, "
-          f"softcap {args.softcap}, grouped {args.grouped}")
+          f"softcap {args.softcap}, grouped {args.grouped}, varlen {args.varlen}")
     for name in args.kernels:
         if name in WS_KERNELS:
             if not triton.__version__.startswith(GLUON_TRITON):

@@ -44,7 +44,7 @@ def test_large_logits_stay_finite():
 def test_every_block_in_head_groups(causal, monkeypatch):
     """Programs walk heads in groups (kernels.attention._schedule); with 5 heads in groups
     of 2, the last group is short, and each head has 3 query and 3 key blocks."""
-    monkeypatch.setattr(attention_kernels, "_heads_per_group", lambda q, causal: 2)
+    monkeypatch.setattr(attention_kernels, "_heads_per_group", lambda *_: 2)
     q, k, v = _qkv(5, 1, 300, 16)
     check_against_oracle(lambda *a: ops.flash_attention(*a, causal),
                          lambda *a: eager.flash_attention(*a, causal), (q, k, v), 1e-12)
@@ -359,4 +359,87 @@ def test_gpu_bf16_arguments_accuracy_and_determinism(case):
         *a, causal, window=window, softcap=softcap), args, 1e-3)
     (o1,), g1, g = grads_of(fused, args)
     (o2,), g2, _ = grads_of(fused, args, g)
+    assert torch.equal(o1, o2) and all(torch.equal(a, b) for a, b in zip(g1, g2))
+
+
+def _packed(lengths_q, lengths_k, Hq, Hkv, D, dtype=F64):
+    """q (Nq, Hq, D), k, v (Nk, Hkv, D) leaves and their int32 cu_seqlens."""
+    def cu(lengths):
+        return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+
+    q = torch.randn(sum(lengths_q), Hq, D, dtype=dtype).requires_grad_()
+    k, v = (torch.randn(sum(lengths_k), Hkv, D, dtype=dtype).requires_grad_() for _ in range(2))
+    return q, k, v, cu(lengths_q), cu(lengths_k)
+
+
+# (query lengths, key lengths, Hq, Hkv, causal, window, softcap): lengths 0 and 1, queries
+# without keys, more or fewer keys than queries.
+VARLEN = {
+    "self": ([5, 1, 0, 9], [5, 1, 0, 9], 2, 2, True, None, None),
+    "cross_gqa": ([3, 7, 2], [6, 4, 0], 4, 2, True, None, None),
+    "window_softcap": ([8, 11], [8, 11], 2, 1, False, (2, 3), 2.0),
+}
+
+
+@pytest.mark.parametrize("case", VARLEN)
+def test_varlen_gradcheck(case):
+    lq, lk, Hq, Hkv, causal, window, softcap = VARLEN[case]
+    q, k, v, cu_q, cu_k = _packed(lq, lk, Hq, Hkv, 16)
+    assert gradcheck(lambda *a: ops.flash_attention_varlen(
+        *a, cu_q, cu_k, max(lq), max(lk), causal, window=window, softcap=softcap), (q, k, v),
+        fast_mode=True)
+
+
+@pytest.mark.parametrize("case", VARLEN)
+def test_varlen_matches_each_sequence_alone(case):
+    """The packed op against its twin, which runs flash_attention's twin on each sequence
+    alone: no attention crosses a boundary, each mask aligns to its sequence's end."""
+    lq, lk, Hq, Hkv, causal, window, softcap = VARLEN[case]
+    q, k, v, cu_q, cu_k = _packed(lq, lk, Hq, Hkv, 16)
+    args = (cu_q, cu_k, max(lq), max(lk), causal)
+    check_against_oracle(
+        lambda *a: ops.flash_attention_varlen(*a, *args, window=window, softcap=softcap),
+        lambda *a: eager.flash_attention_varlen(*a, *args, window=window, softcap=softcap),
+        (q, k, v), 1e-12)
+
+
+def test_varlen_over_many_blocks():
+    """Sequences longer than the interpreter's 128-row tiles, packed unevenly."""
+    q, k, v, cu_q, cu_k = _packed([300, 7, 140], [300, 7, 140], 2, 1, 32, dtype=torch.float32)
+    args = (cu_q, cu_k, 300, 300, True)
+    check_against_oracle(lambda *a: ops.flash_attention_varlen(*a, *args),
+                         lambda *a: eager.flash_attention_varlen(*a, *args), (q, k, v), 1e-5)
+
+
+def test_varlen_bad_inputs():
+    q, k, v, cu, _ = _packed([3, 4], [3, 4], 2, 2, 16)
+    q, k, v = q.detach(), k.detach(), v.detach()
+    good = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=4, max_seqlen_k=4)
+    with pytest.raises(TypeError, match="cu_seqlens_q"):
+        ops.flash_attention_varlen(q, k, v, **{**good, "cu_seqlens_q": cu.long()})
+    for bad in ([1, 3, 7], [0, 4, 3], [0, 3, 6]):
+        with pytest.raises(ValueError, match="cu_seqlens_k"):
+            ops.flash_attention_varlen(
+                q, k, v, **{**good, "cu_seqlens_k": torch.tensor(bad, dtype=torch.int32)})
+    with pytest.raises(ValueError, match="cu_seqlens_q"):  # a sequence past max_seqlen_q
+        ops.flash_attention_varlen(q, k, v, **{**good, "max_seqlen_q": 3})
+    with pytest.raises(ValueError, match="one length"):
+        ops.flash_attention_varlen(q, k, v, **{**good, "cu_seqlens_k": cu[:2]})
+    with pytest.raises(ValueError, match="multiple"):
+        ops.flash_attention_varlen(q, k[:, :1].expand(-1, 3, -1), v[:, :1].expand(-1, 3, -1),
+                                   **good)
+    with pytest.raises(ValueError, match="q"):
+        ops.flash_attention_varlen(q[None], k, v, **good)
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_varlen_accuracy_and_determinism():
+    q, k, v, cu_q, cu_k = _packed([700, 1, 0, 1500, 333], [700, 1, 0, 1500, 333], 8, 2, 128,
+                                  dtype=torch.float32)
+    args = [t.detach().cuda().bfloat16().requires_grad_() for t in (q, k, v)]
+    extra = (cu_q.cuda(), cu_k.cuda(), 1500, 1500, True)
+    check_against_oracle(lambda *a: ops.flash_attention_varlen(*a, *extra),
+                         lambda *a: eager.flash_attention_varlen(*a, *extra), args, 1e-3)
+    (o1,), g1, g = grads_of(lambda *a: ops.flash_attention_varlen(*a, *extra), args)
+    (o2,), g2, _ = grads_of(lambda *a: ops.flash_attention_varlen(*a, *extra), args, g)
     assert torch.equal(o1, o2) and all(torch.equal(a, b) for a, b in zip(g1, g2))

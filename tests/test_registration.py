@@ -47,6 +47,9 @@ def first_calls():
         # Grouped heads, a window and a softcap: the backward with three gradient buffers.
         losses.append(ops.flash_attention(q, k[:, :1], v[:, :1], causal=True, window=(2, 0),
                                           softcap=3.0).sum())
+        cu = torch.tensor([0, 3, 3, 5], dtype=torch.int32)  # a packed batch, one empty
+        losses.append(ops.flash_attention_varlen(
+            leaf(5, 2, 8), leaf(5, 1, 8), leaf(5, 1, 8), cu, cu, 3, 3).sum())
         # Created last, so its backward runs first: the attention_bwd recorded is the one
         # that also sums a bias gradient.
         losses.append(ops.qkv_attention(x, leaf(3 * C, C), leaf(3 * C), H).sum())

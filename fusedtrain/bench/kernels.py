@@ -248,6 +248,61 @@ def bench_attention_features(rows: list[dict]) -> None:
         rows.append(r)
 
 
+def document_lengths(n_docs: int = 16, total: int = 32768, shortest: int = 128,
+                     longest: int = 4096, seed: int = 0) -> list[int]:
+    """n_docs lengths in [shortest, longest] summing to total, drawn at random (seeded)."""
+    gen = torch.Generator().manual_seed(seed)
+    while True:
+        w = torch.rand(n_docs, generator=gen)
+        lengths = (shortest + w / w.sum() * (total - n_docs * shortest)).long().tolist()
+        lengths[-1] += total - sum(lengths)
+        if max(lengths) <= longest and min(lengths) >= shortest:
+            return lengths
+
+
+def bench_attention_varlen(rows: list[dict]) -> None:
+    """Packed documents (document_lengths: 16 of 128..4096 tokens, 32768 in all), causal,
+    16 heads of 128: the fused packed op against FlexAttention with a document mask and
+    SDPA's default backend on the same documents padded into a dense batch."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    lengths, H, D = document_lengths(), 16, 128
+    N, longest = sum(lengths), max(lengths)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda",
+                      dtype=torch.int32)
+    q, k, v = randn(N, H, D), randn(N, H, D), randn(N, H, D)
+    doc = torch.repeat_interleave(torch.arange(len(lengths), device="cuda"),
+                                  torch.tensor(lengths, device="cuda"))
+
+    def same_doc_causal(b, h, q_idx, kv_idx):
+        return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
+
+    block_mask = create_block_mask(same_doc_causal, None, None, N, N, device="cuda")
+    flex = torch.compile(flex_attention)
+    padded = [randn(len(lengths), H, longest, D) for _ in range(3)]
+    fns = {"fused": (lambda q, k, v: ops.flash_attention_varlen(q, k, v, cu, cu, longest,
+                                                                longest, True), (q, k, v)),
+           "flex": (lambda q, k, v: flex(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                         v.transpose(0, 1)[None], block_mask=block_mask),
+                    (q, k, v)),
+           "sdpa_default_padded": (lambda q, k, v: F.scaled_dot_product_attention(
+               q, k, v, is_causal=True), padded)}
+    flops = 4 * H * D * sum(n * (n + 1) // 2 for n in lengths)
+    r = {"family": "attention_features", "shape": f"varlen docs={len(lengths)} N={N} "
+         f"longest={longest} H={H} D={D} causal", "fwd": {}, "fwd_bwd": {}, "peer_kernels": {}}
+    for peer, (f, args) in fns.items():
+        with torch.no_grad():
+            r["fwd"][peer] = bench(lambda f=f, a=args: f(*a))
+        r["fwd_bwd"][peer] = bench(fwd_bwd(f, args))
+        if peer != "fused":
+            with torch.no_grad():
+                r["peer_kernels"][peer] = ran_kernels(lambda f=f, a=args: f(*a))
+        torch.cuda.empty_cache()
+    r["fwd_tflops"] = {p: flops / ms / 1e9 for p, ms in r["fwd"].items()}
+    r["fwd_bwd_tflops"] = {p: 3.5 * flops / ms / 1e9 for p, ms in r["fwd_bwd"].items()}
+    rows.append(r)
+
+
 def copy_bandwidth(n_bytes: int = 2 ** 30) -> float:
     """Device-to-device copy GB/s, counting bytes read plus bytes written: the faster of a
     memcpy and an elementwise copy kernel, each into a buffer allocated beforehand."""
@@ -302,7 +357,8 @@ def bench_cross_entropy(rows: list[dict]) -> None:
 
 
 FAMILIES = {"linear_gelu": bench_linear_gelu, "qkv": bench_qkv, "attention": bench_attention,
-            "attention_features": bench_attention_features, "layernorm": bench_layernorm,
+            "attention_features": bench_attention_features,
+            "attention_varlen": bench_attention_varlen, "layernorm": bench_layernorm,
             "cross_entropy": bench_cross_entropy}
 
 

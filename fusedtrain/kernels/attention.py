@@ -119,9 +119,10 @@ def _row_source(base, T, D, s_t, TMA: tl.constexpr, BLOCK_R: tl.constexpr,
                 BLOCK_D: tl.constexpr):
     """What a loop reads [BLOCK_R, BLOCK_D] tiles of a (T, D) slice from: a TMA descriptor
     (unit stride in d; rows past T and columns past D read as zero), or the slice's
-    pointer."""
+    pointer. A packed batch's empty sequence (T = 0) gets a one-row descriptor that no
+    loop reads (a descriptor has no empty dimension)."""
     if TMA:
-        return matrix_desc(base, T, D, s_t, BLOCK_R, BLOCK_D)
+        return matrix_desc(base, tl.maximum(T, 1), D, s_t, BLOCK_R, BLOCK_D)
     else:
         return base
 
@@ -138,17 +139,40 @@ def _load_tile(src, start, offs_t, offs_d, s_t, s_d, t_ok, d_ok, TMA: tl.constex
 @device_fn
 def _visible(offs_m, offs_n, T, S, LO, HI):
     """[BLOCK_M, BLOCK_N] mask of (query, key) pairs that may attend: i < T, j < S and
-    i + LO <= j <= i + HI (see mask_bounds)."""
+    i + LO <= j <= i + HI (see _bounds)."""
     rel = offs_n[None, :] - offs_m[:, None]
     return (offs_m[:, None] < T) & (offs_n[None, :] < S) & (rel >= LO) & (rel <= HI)
 
 
 @device_fn
-def _slice_base(ptr, bh, H, G, s_b, s_h):
-    """Pointer to the (T, D) slice that batch*query-head index bh reads: query head
-    bh % H of batch bh // H; with G query heads to a key/value head (G = 1 for q itself),
-    key/value head (bh % H) // G."""
-    return ptr + (bh // H).to(tl.int64) * s_b + ((bh % H) // G).to(tl.int64) * s_h
+def _slice_base(ptr, bh, H, G, s_b, s_h, row0, s_t):
+    """Pointer to the (rows, D) slice that batch*query-head index bh reads: query head
+    bh % H of batch entry bh // H, from row row0 on (a packed batch's sequence start, else
+    0); with G query heads to a key/value head (G = 1 for q itself), key/value head
+    (bh % H) // G."""
+    return (ptr + (bh // H).to(tl.int64) * s_b + ((bh % H) // G).to(tl.int64) * s_h
+            + row0.to(tl.int64) * s_t)
+
+
+@device_fn
+def _sequence(b, cu_q_ptr, cu_k_ptr, T, S, VARLEN: tl.constexpr):
+    """(first query row, queries, first key row, keys) of batch entry b: its whole (T, S)
+    slice, or with VARLEN sequence b of a packed batch (cu_seqlens of queries and keys)."""
+    if VARLEN:
+        q0 = tl.load(cu_q_ptr + b)
+        k0 = tl.load(cu_k_ptr + b)
+        return q0, tl.load(cu_q_ptr + b + 1) - q0, k0, tl.load(cu_k_ptr + b + 1) - k0
+    else:
+        return b * 0, T, b * 0, S
+
+
+@device_fn
+def _bounds(T, S, WL, WR):
+    """(LO, HI): query i of T sees key j of S iff i + LO <= j <= i + HI, for the window
+    (WL, WR) aligned to the bottom right (query i's diagonal is key i + S - T; causal is
+    WR = 0); an unbounded side (-1) becomes an offset past every key."""
+    diag, far = S - T, T + S
+    return tl.where(WL >= 0, diag - WL, -far), tl.where(WR >= 0, diag + WR, far)
 
 
 @device_fn
@@ -230,46 +254,74 @@ def _schedule(n_blocks, BH, GROUP, LOW_FIRST: tl.constexpr):
     return bh, block
 
 
-@autotune(FWD_CONFIGS + FWD_HEAD_256,
-          key=["T_BUCKET", "S_BUCKET", "BLOCK_D", "MASK", "SOFTCAP", "TMA"],
-          interpret=INTERPRET_CONFIG, wide=WIDE_CONFIGS, keep=_for_head_dim(FWD_HEAD_256))
-@triton.jit
-def _attn_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, qk_scale, cap_in, cap_out, H, G, T, S, D, LO, HI,
-    MASK, T_BUCKET, S_BUCKET, BH, GROUP,
-    s_qb, s_qh, s_qt, s_qd, s_kb, s_kh, s_kt, s_kd, s_vb, s_vh, s_vt, s_vd,
-    s_ob, s_oh, s_ot, s_od,
-    SOFTCAP: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr, BLOCK_D: tl.constexpr,
-    TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    bh, block = _schedule(cdiv(T, BLOCK_M), BH, GROUP, False)
-    start_m = block * BLOCK_M
+@device_fn
+def _fwd_program(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, bh, start_m, q0, T_b, k0, S_b, qk_scale,
+                 cap_in, cap_out, H, G, T, D, WL, WR,
+                 s_qb, s_qh, s_qt, s_qd, s_kb, s_kh, s_kt, s_kd, s_vb, s_vh, s_vt, s_vd,
+                 s_ob, s_oh, s_ot, s_od,
+                 SOFTCAP: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
+                 BLOCK_D: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
+    """One query block of one head: rows [start_m, start_m + BLOCK_M) of a sequence of T_b
+    queries from row q0 against its S_b keys from row k0."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    m_ok, d_ok = offs_m < T, offs_d < D
-    q = _load_rows(_slice_base(q_ptr, bh, H, 1, s_qb, s_qh), offs_m, offs_d, s_qt, s_qd, m_ok,
-                   d_ok)
-    k_src = _row_source(_slice_base(k_ptr, bh, H, G, s_kb, s_kh), S, D, s_kt, TMA, BLOCK_N,
-                        BLOCK_D)
-    v_src = _row_source(_slice_base(v_ptr, bh, H, G, s_vb, s_vh), S, D, s_vt, TMA, BLOCK_N,
-                        BLOCK_D)
+    m_ok, d_ok = offs_m < T_b, offs_d < D
+    LO, HI = _bounds(T_b, S_b, WL, WR)
+    q = _load_rows(_slice_base(q_ptr, bh, H, 1, s_qb, s_qh, q0, s_qt), offs_m, offs_d, s_qt,
+                   s_qd, m_ok, d_ok)
+    k_src = _row_source(_slice_base(k_ptr, bh, H, G, s_kb, s_kh, k0, s_kt), S_b, D, s_kt, TMA,
+                        BLOCK_N, BLOCK_D)
+    v_src = _row_source(_slice_base(v_ptr, bh, H, G, s_vb, s_vh, k0, s_vt), S_b, D, s_vt, TMA,
+                        BLOCK_N, BLOCK_D)
     acc = tl.full((BLOCK_M, BLOCK_D), 0.0, ACC)
     l_i = tl.full((BLOCK_M,), 0.0, ACC)
     m_i = tl.full((BLOCK_M,), float("-inf"), ACC)
-    lo, u_lo, u_hi, hi = _key_blocks(start_m, S, LO, HI, BLOCK_M, BLOCK_N)
-    acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_src, v_src, offs_m, offs_d, d_ok, T, S,
+    lo, u_lo, u_hi, hi = _key_blocks(start_m, S_b, LO, HI, BLOCK_M, BLOCK_N)
+    acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_src, v_src, offs_m, offs_d, d_ok, T_b, S_b,
                                 LO, HI, qk_scale, cap_in, cap_out, s_kt, s_kd, s_vt, s_vd, lo,
                                 u_lo, True, SOFTCAP, BLOCK_N, ACC, PRECISION, TMA)
-    acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_src, v_src, offs_m, offs_d, d_ok, T, S,
+    acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_src, v_src, offs_m, offs_d, d_ok, T_b, S_b,
                                 LO, HI, qk_scale, cap_in, cap_out, s_kt, s_kd, s_vt, s_vd,
                                 u_lo, u_hi, False, SOFTCAP, BLOCK_N, ACC, PRECISION, TMA)
-    acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_src, v_src, offs_m, offs_d, d_ok, T, S,
+    acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_src, v_src, offs_m, offs_d, d_ok, T_b, S_b,
                                 LO, HI, qk_scale, cap_in, cap_out, s_kt, s_kd, s_vt, s_vd,
                                 u_hi, hi, True, SOFTCAP, BLOCK_N, ACC, PRECISION, TMA)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    o_base = _slice_base(o_ptr, bh, H, 1, s_ob, s_oh)
+    o_base = _slice_base(o_ptr, bh, H, 1, s_ob, s_oh, q0, s_ot)
     _store_rows(o_base, acc / l_safe[:, None], offs_m, offs_d, s_ot, s_od, m_ok, d_ok)
+    # lse2 as (B, H, T): T is the longest sequence's length in a packed batch.
     tl.store(lse_ptr + bh.to(tl.int64) * T + offs_m, m_i + tl.log2(l_safe), mask=m_ok)
+
+
+@autotune(FWD_CONFIGS + FWD_HEAD_256,
+          key=["T_BUCKET", "S_BUCKET", "BLOCK_D", "MASK", "SOFTCAP", "VARLEN", "TMA"],
+          interpret=INTERPRET_CONFIG, wide=WIDE_CONFIGS, keep=_for_head_dim(FWD_HEAD_256))
+@triton.jit
+def _attn_fwd_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, qk_scale, cap_in, cap_out,
+    H, G, T, S, D, WL, WR, MASK, T_BUCKET, S_BUCKET, BH, GROUP,
+    s_qb, s_qh, s_qt, s_qd, s_kb, s_kh, s_kt, s_kd, s_vb, s_vh, s_vt, s_vd,
+    s_ob, s_oh, s_ot, s_od,
+    VARLEN: tl.constexpr, SOFTCAP: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_D: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # One program per (query block, batch * head); in a packed batch T is the longest
+    # sequence, and a shorter one's programs past its end do nothing.
+    bh, block = _schedule(cdiv(T, BLOCK_M), BH, GROUP, False)
+    q0, T_b, k0, S_b = _sequence(bh // H, cu_q_ptr, cu_k_ptr, T, S, VARLEN)
+    start_m = block * BLOCK_M
+    if VARLEN:
+        if start_m < T_b:
+            _fwd_program(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, bh, start_m, q0, T_b, k0, S_b,
+                         qk_scale, cap_in, cap_out, H, G, T, D, WL, WR, s_qb, s_qh, s_qt,
+                         s_qd, s_kb, s_kh, s_kt, s_kd, s_vb, s_vh, s_vt, s_vd, s_ob, s_oh,
+                         s_ot, s_od, SOFTCAP, ACC, PRECISION, BLOCK_D, TMA, BLOCK_M, BLOCK_N)
+    else:
+        _fwd_program(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, bh, start_m, q0, T_b, k0, S_b,
+                     qk_scale, cap_in, cap_out, H, G, T, D, WL, WR, s_qb, s_qh, s_qt, s_qd,
+                     s_kb, s_kh, s_kt, s_kd, s_vb, s_vh, s_vt, s_vd, s_ob, s_oh, s_ot, s_od,
+                     SOFTCAP, ACC, PRECISION, BLOCK_D, TMA, BLOCK_M, BLOCK_N)
 
 
 def _loads_through_tma(*operands: torch.Tensor) -> bool:
@@ -282,30 +334,22 @@ def _loads_through_tma(*operands: torch.Tensor) -> bool:
     return use
 
 
-def _heads_per_group(q: torch.Tensor, causal: bool) -> int:
+def _heads_per_group(q: torch.Tensor, causal: bool, T: int | None = None) -> int:
     """The GROUP of _schedule. Under a causal mask: the most heads, a power of two, whose
     two streamed (T, D) operands fill at most a quarter of the L2 cache together. On the
     H200 (60 MiB of L2), causal forward+backward timed against the group size ran fastest
     at 4 heads for T=4096 D=128, 2 for T=8192 and 32 for T=1024 D=64, which this gives:
     2-3% faster than one head at a time (a tail of long blocks), 4-7% faster than all
     heads at once (rows fall out of L2). Without a mask all blocks take the same time and
-    one head at a time keeps its rows in L2 best."""
-    B, H, T, D = q.shape
+    one head at a time keeps its rows in L2 best. q: (B, H, T, D), or a packed batch's
+    (N, H, D) with T its longest sequence (then B * H counts N's heads, an upper bound)."""
     if not causal:
         return 1
-    fit = max(1, l2_cache_bytes(q.device) // 4 // (2 * T * D * q.element_size()))
-    return min(B * H, 1 << (fit.bit_length() - 1))
-
-
-def mask_bounds(T: int, S: int, causal: bool, window: tuple[int, int]) -> tuple[int, int]:
-    """(LO, HI): query i of T sees key j of S iff i + LO <= j <= i + HI. The causal mask
-    and the window (left, right) align to the bottom right (query i's diagonal is key
-    i + S - T), causal sets right to 0, and an unbounded side (-1) becomes an offset past
-    every key."""
-    left, right = window
-    diag, far = S - T, T + S
-    right = 0 if causal else right
-    return (diag - left if left >= 0 else -far), (diag + right if right >= 0 else far)
+    H, D = q.shape[-3], q.shape[-1]
+    T = q.shape[2] if T is None else T
+    BH = q.shape[0] * H
+    fit = max(1, l2_cache_bytes(q.device) // 4 // (2 * max(T, 1) * D * q.element_size()))
+    return min(BH, 1 << (fit.bit_length() - 1))
 
 
 def mask_kind(causal: bool, window: tuple[int, int]) -> int:
@@ -313,20 +357,27 @@ def mask_kind(causal: bool, window: tuple[int, int]) -> int:
     return 2 if window[0] >= 0 or (window[1] >= 0 and not causal) else int(causal)
 
 
-def kernel_args(q: torch.Tensor, k: torch.Tensor, causal: bool, window: tuple[int, int],
-                softmax_scale: float, softcap: float) -> tuple:
-    """The arguments the three kernels share after their tensors: (qk_scale, cap_in,
-    cap_out, H, G, T, S, D, LO, HI, MASK, T_BUCKET, S_BUCKET, B * H, GROUP); with a softcap
-    the scale moves into the tanh's argument (see softcapped) and qk_scale is 1."""
-    B, H, T, D = q.shape
-    HK, S = k.shape[1], k.shape[2]
-    lo, hi = mask_bounds(T, S, causal, window)
+def kernel_args(q: torch.Tensor, dims: tuple[int, int, int, int, int, int], causal: bool,
+                window: tuple[int, int], softmax_scale: float, softcap: float) -> tuple:
+    """The arguments the three kernels share after their pointers: (qk_scale, cap_in,
+    cap_out, H, G, T, S, D, WL, WR, MASK, T_BUCKET, S_BUCKET, B * H, GROUP), for dims =
+    (B, H, HK, T, S, D) (T, S: a packed batch's longest sequences). The window's right
+    side is 0 under a causal mask; with a softcap the scale moves into the tanh's argument
+    (see softcapped) and qk_scale is 1."""
+    B, H, HK, T, S, D = dims
     if softcap > 0:
         scales = (1.0, softmax_scale / softcap, softcap * LOG2E)
     else:
         scales = (softmax_scale * LOG2E, 0.0, 0.0)
-    return (*scales, H, H // HK, T, S, D, lo, hi, mask_kind(causal, window), next_pow2(T),
-            next_pow2(S), B * H, _heads_per_group(q, causal))
+    return (*scales, H, H // HK, T, S, D, window[0], 0 if causal else window[1],
+            mask_kind(causal, window), next_pow2(T), next_pow2(S), B * H,
+            min(B * H, _heads_per_group(q, causal, T)))
+
+
+def dense_dims(q: torch.Tensor, k: torch.Tensor) -> tuple[int, int, int, int, int, int]:
+    """kernel_args' dims of q: (B, H, T, D), k: (B, HK, S, D)."""
+    B, H, T, D = q.shape
+    return B, H, k.shape[1], T, k.shape[2], D
 
 
 def head_block(D: int) -> int:
@@ -344,18 +395,50 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
                   softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """q: (B, H, T, D), k, v: (B, HK, S, D), H a multiple of HK -> o: (B, H, T, D), lse2:
     (B, H, T) fp32 (fp64). o is laid out as (B, T, H, D) (see output_buffer)."""
-    B, H, T, D = q.shape
     o = output_buffer(q)
-    lse = torch.empty((B, H, T), device=q.device, dtype=stat_dtype(q))
-    key = (q.shape, k.shape, q.stride(), k.stride(), v.stride(), q.dtype, causal, window,
-           softcap > 0)
-    args = kernel_args(q, k, causal, window, softmax_scale, softcap)
-    _attn_fwd_kernel.planned(key, (
-        q, k, v, o, lse, *args, *q.stride(), *k.stride(), *v.stride(), *o.stride()), lambda: (
-            _grid("BLOCK_M", T, B * H), dict(
-                SOFTCAP=softcap > 0, ACC=acc_dtype(q), PRECISION=dot_precision(q),
-                BLOCK_D=head_block(D), TMA=_loads_through_tma(k, v))))
+    lse = torch.empty(q.shape[:3], device=q.device, dtype=stat_dtype(q))
+    _launch_fwd(q, k, v, o, lse, None, dense_dims(q, k), q.stride(), k.stride(), v.stride(),
+                o.stride(), causal, softmax_scale, window, softcap)
     return o, lse
+
+
+def attention_fwd_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         cu_seqlens: tuple[torch.Tensor, torch.Tensor],
+                         max_seqlens: tuple[int, int], causal: bool, softmax_scale: float,
+                         window: tuple[int, int] = (-1, -1), softcap: float = 0.0
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A packed batch: q: (Nq, H, D), k, v: (Nk, HK, D), sequence b being rows
+    cu_seqlens[0][b]:[b + 1] of q and cu_seqlens[1][b]:[b + 1] of k and v (int32), none
+    longer than max_seqlens -> o: (Nq, H, D), lse2: (batch, H, max_seqlens[0]), 0 past each
+    sequence's end (written: an output's every value is defined)."""
+    B = cu_seqlens[0].shape[0] - 1
+    o = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.zeros((B, q.shape[1], max_seqlens[0]), device=q.device, dtype=stat_dtype(q))
+    dims = (B, q.shape[1], k.shape[1], *max_seqlens, q.shape[2])
+    _launch_fwd(q, k, v, o, lse, cu_seqlens, dims, packed_strides(q), packed_strides(k),
+                packed_strides(v), packed_strides(o), causal, softmax_scale, window, softcap)
+    return o, lse
+
+
+def packed_strides(t: torch.Tensor) -> tuple[int, int, int, int]:
+    """A packed (N, H, D) tensor's strides as the kernels' (batch, head, row, d): no batch
+    stride (each sequence starts at its own row)."""
+    return 0, t.stride(1), t.stride(0), t.stride(2)
+
+
+def _launch_fwd(q, k, v, o, lse, cu_seqlens, dims, q_strides, k_strides, v_strides,
+                o_strides, causal, softmax_scale, window, softcap) -> None:
+    B, H = dims[:2]
+    varlen = cu_seqlens is not None
+    cu_q, cu_k = cu_seqlens if varlen else (lse, lse)  # not read without VARLEN
+    key = (q.shape, k.shape, q.stride(), k.stride(), v.stride(), q.dtype, dims, causal, window,
+           softcap > 0)
+    _attn_fwd_kernel.planned(key, (
+        q, k, v, o, lse, cu_q, cu_k, *kernel_args(q, dims, causal, window, softmax_scale, softcap),
+        *q_strides, *k_strides, *v_strides, *o_strides), lambda: (
+            _grid("BLOCK_M", dims[3], B * H), dict(
+                VARLEN=varlen, SOFTCAP=softcap > 0, ACC=acc_dtype(q), PRECISION=dot_precision(q),
+                BLOCK_D=head_block(dims[5]), TMA=_loads_through_tma(k, v))))
 
 
 def acc_dtype(q: torch.Tensor):

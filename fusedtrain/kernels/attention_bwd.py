@@ -20,6 +20,7 @@ from fusedtrain.kernels.attention import (
     BWD_Q_HEAD_256,
     INTERPRET_CONFIG,
     WIDE_CONFIGS,
+    _bounds,
     _clamped_ranges,
     _dkdv_fits,
     _for_head_dim,
@@ -30,18 +31,21 @@ from fusedtrain.kernels.attention import (
     _loads_through_tma,
     _row_source,
     _schedule,
+    _sequence,
     _slice_base,
     _store_rows,
     _visible,
     acc_dtype,
+    dense_dims,
     grad_buffer,
     head_block,
     kernel_args,
     output_buffer,
+    packed_strides,
 )
 from fusedtrain.kernels.bias_grad import bias_grad
 
-_KEY = ["T_BUCKET", "S_BUCKET", "BLOCK_D", "MASK", "SOFTCAP", "GROUPED", "TMA"]
+_KEY = ["T_BUCKET", "S_BUCKET", "BLOCK_D", "MASK", "SOFTCAP", "GROUPED", "VARLEN", "TMA"]
 
 
 @device_fn
@@ -100,74 +104,104 @@ def _query_blocks(start_n, T, LO, HI, BLOCK_M: tl.constexpr, BLOCK_N: tl.constex
 
 
 @device_fn
-def _dkdv_head(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, bh, offs_n, offs_d, d_ok,
-               H, T, S, D, LO, HI, qk_scale, cap_in, cap_out, s_qb, s_qh, s_qt, s_qd,
+def _dkdv_head(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, bh, q0, offs_n, offs_d, d_ok,
+               H, T, T_b, S_b, D, LO, HI, qk_scale, cap_in, cap_out, s_qb, s_qh, s_qt, s_qd,
                s_gb, s_gh, s_gt, s_gd, q_lo, u_lo, u_hi, q_hi,
                SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
                ACC: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr):
     """dK, dV of one key block accumulated over the query blocks of query head bh (of
-    B * H): [q_lo, u_lo) and [u_hi, q_hi) masked, [u_lo, u_hi) clear."""
-    q_src = _row_source(_slice_base(q_ptr, bh, H, 1, s_qb, s_qh), T, D, s_qt, TMA, BLOCK_M,
-                        BLOCK_D)
-    do_src = _row_source(_slice_base(do_ptr, bh, H, 1, s_gb, s_gh), T, D, s_gt, TMA, BLOCK_M,
-                         BLOCK_D)
+    B * H), whose T_b rows start at row q0: [q_lo, u_lo) and [u_hi, q_hi) masked,
+    [u_lo, u_hi) clear. lse2 and delta are (B, H, T)."""
+    q_src = _row_source(_slice_base(q_ptr, bh, H, 1, s_qb, s_qh, q0, s_qt), T_b, D, s_qt, TMA,
+                        BLOCK_M, BLOCK_D)
+    do_src = _row_source(_slice_base(do_ptr, bh, H, 1, s_gb, s_gh, q0, s_gt), T_b, D, s_gt,
+                         TMA, BLOCK_M, BLOCK_D)
     lse_base = lse_ptr + bh.to(tl.int64) * T
     delta_base = delta_ptr + bh.to(tl.int64) * T
     dk, dv = _dkdv_blocks(dk, dv, k, v, q_src, do_src, lse_base, delta_base, offs_n, offs_d,
-                          d_ok, T, S, LO, HI, qk_scale, cap_in, cap_out, s_qt, s_qd, s_gt,
+                          d_ok, T_b, S_b, LO, HI, qk_scale, cap_in, cap_out, s_qt, s_qd, s_gt,
                           s_gd, q_lo, u_lo, True, SOFTCAP, BLOCK_M, ACC, PRECISION, TMA)
     dk, dv = _dkdv_blocks(dk, dv, k, v, q_src, do_src, lse_base, delta_base, offs_n, offs_d,
-                          d_ok, T, S, LO, HI, qk_scale, cap_in, cap_out, s_qt, s_qd, s_gt,
+                          d_ok, T_b, S_b, LO, HI, qk_scale, cap_in, cap_out, s_qt, s_qd, s_gt,
                           s_gd, u_lo, u_hi, False, SOFTCAP, BLOCK_M, ACC, PRECISION, TMA)
     dk, dv = _dkdv_blocks(dk, dv, k, v, q_src, do_src, lse_base, delta_base, offs_n, offs_d,
-                          d_ok, T, S, LO, HI, qk_scale, cap_in, cap_out, s_qt, s_qd, s_gt,
+                          d_ok, T_b, S_b, LO, HI, qk_scale, cap_in, cap_out, s_qt, s_qd, s_gt,
                           s_gd, u_hi, q_hi, True, SOFTCAP, BLOCK_M, ACC, PRECISION, TMA)
     return dk, dv
+
+
+@device_fn
+def _dkdv_program(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, bhk,
+                  start_n, q0, T_b, k0, S_b, sm_scale, qk_scale, cap_in, cap_out, H, G, T, D,
+                  WL, WR, s_qb, s_qh, s_qt, s_qd, s_kb, s_kh, s_kt, s_kd, s_vb, s_vh, s_vt,
+                  s_vd, s_gb, s_gh, s_gt, s_gd, s_db, s_dh, s_dt, s_dd,
+                  SOFTCAP: tl.constexpr, GROUPED: tl.constexpr, ACC: tl.constexpr,
+                  PRECISION: tl.constexpr, BLOCK_D: tl.constexpr, TMA: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """dK, dV of key rows [start_n, start_n + BLOCK_N) of key/value head bhk (of B * HK):
+    a sequence of S_b keys from row k0, seen by T_b queries from row q0. GROUPED: G query
+    heads read each key/value head, and this program sums their gradients in turn (no
+    atomics)."""
+    HK = H // G
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    n_ok, d_ok = offs_n < S_b, offs_d < D
+    LO, HI = _bounds(T_b, S_b, WL, WR)
+    k = _load_rows(_slice_base(k_ptr, bhk, HK, 1, s_kb, s_kh, k0, s_kt), offs_n, offs_d, s_kt,
+                   s_kd, n_ok, d_ok)
+    v = _load_rows(_slice_base(v_ptr, bhk, HK, 1, s_vb, s_vh, k0, s_vt), offs_n, offs_d, s_vt,
+                   s_vd, n_ok, d_ok)
+    dk = tl.full((BLOCK_N, BLOCK_D), 0.0, ACC)
+    dv = tl.full((BLOCK_N, BLOCK_D), 0.0, ACC)
+    q_lo, u_lo, u_hi, q_hi = _query_blocks(start_n, T_b, LO, HI, BLOCK_M, BLOCK_N)
+    first = (bhk // HK) * H + (bhk % HK) * G  # the first query head reading this one
+    if GROUPED:
+        for g in range(G):
+            dk, dv = _dkdv_head(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, first + g, q0,
+                                offs_n, offs_d, d_ok, H, T, T_b, S_b, D, LO, HI, qk_scale,
+                                cap_in, cap_out, s_qb, s_qh, s_qt, s_qd, s_gb, s_gh, s_gt, s_gd,
+                                q_lo, u_lo, u_hi, q_hi, SOFTCAP, BLOCK_M, BLOCK_D, ACC,
+                                PRECISION, TMA)
+    else:
+        dk, dv = _dkdv_head(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, first, q0, offs_n,
+                            offs_d, d_ok, H, T, T_b, S_b, D, LO, HI, qk_scale, cap_in, cap_out,
+                            s_qb, s_qh, s_qt, s_qd, s_gb, s_gh, s_gt, s_gd, q_lo, u_lo, u_hi,
+                            q_hi, SOFTCAP, BLOCK_M, BLOCK_D, ACC, PRECISION, TMA)
+    _store_rows(_slice_base(dk_ptr, bhk, HK, 1, s_db, s_dh, k0, s_dt), dk * sm_scale, offs_n,
+                offs_d, s_dt, s_dd, n_ok, d_ok)
+    _store_rows(_slice_base(dv_ptr, bhk, HK, 1, s_db, s_dh, k0, s_dt), dv, offs_n, offs_d, s_dt,
+                s_dd, n_ok, d_ok)
 
 
 @autotune(BWD_KV_CONFIGS + BWD_KV_HEAD_256, key=_KEY, interpret=INTERPRET_CONFIG,
           wide=WIDE_CONFIGS, keep=_dkdv_fits)
 @triton.jit
 def _attn_bwd_dkdv_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, sm_scale,
-    qk_scale, cap_in, cap_out, H, G, T, S, D, LO, HI, MASK, T_BUCKET, S_BUCKET, BH, GROUP,
-    s_qb, s_qh, s_qt, s_qd, s_kb, s_kh, s_kt, s_kd, s_vb, s_vh, s_vt, s_vd,
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, cu_q_ptr, cu_k_ptr,
+    sm_scale, qk_scale, cap_in, cap_out, H, G, T, S, D, WL, WR, MASK, T_BUCKET, S_BUCKET, BH,
+    GROUP, s_qb, s_qh, s_qt, s_qd, s_kb, s_kh, s_kt, s_kd, s_vb, s_vh, s_vt, s_vd,
     s_gb, s_gh, s_gt, s_gd, s_db, s_dh, s_dt, s_dd,
-    SOFTCAP: tl.constexpr, GROUPED: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_D: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    VARLEN: tl.constexpr, SOFTCAP: tl.constexpr, GROUPED: tl.constexpr, ACC: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_D: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
-    # One program per (key block, batch * key/value head); GROUPED: G query heads read
-    # each key/value head, and its program sums their gradients in turn (no atomics).
-    HK = H // G
+    # One program per (key block, batch * key/value head).
     bhk, block = _schedule(cdiv(S, BLOCK_N), BH // G, GROUP, True)
+    q0, T_b, k0, S_b = _sequence(bhk // (H // G), cu_q_ptr, cu_k_ptr, T, S, VARLEN)
     start_n = block * BLOCK_N
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    n_ok, d_ok = offs_n < S, offs_d < D
-    k = _load_rows(_slice_base(k_ptr, bhk, HK, 1, s_kb, s_kh), offs_n, offs_d, s_kt, s_kd, n_ok,
-                   d_ok)
-    v = _load_rows(_slice_base(v_ptr, bhk, HK, 1, s_vb, s_vh), offs_n, offs_d, s_vt, s_vd, n_ok,
-                   d_ok)
-    dk = tl.full((BLOCK_N, BLOCK_D), 0.0, ACC)
-    dv = tl.full((BLOCK_N, BLOCK_D), 0.0, ACC)
-    q_lo, u_lo, u_hi, q_hi = _query_blocks(start_n, T, LO, HI, BLOCK_M, BLOCK_N)
-    first = (bhk // HK) * H + (bhk % HK) * G  # the first query head reading this one
-    if GROUPED:
-        for g in range(G):
-            dk, dv = _dkdv_head(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, first + g,
-                                offs_n, offs_d, d_ok, H, T, S, D, LO, HI, qk_scale, cap_in,
-                                cap_out, s_qb, s_qh, s_qt, s_qd, s_gb, s_gh, s_gt, s_gd, q_lo,
-                                u_lo, u_hi, q_hi, SOFTCAP, BLOCK_M, BLOCK_D, ACC, PRECISION,
-                                TMA)
+    if VARLEN:
+        if start_n < S_b:
+            _dkdv_program(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, bhk,
+                          start_n, q0, T_b, k0, S_b, sm_scale, qk_scale, cap_in, cap_out, H, G,
+                          T, D, WL, WR, s_qb, s_qh, s_qt, s_qd, s_kb, s_kh, s_kt, s_kd, s_vb,
+                          s_vh, s_vt, s_vd, s_gb, s_gh, s_gt, s_gd, s_db, s_dh, s_dt, s_dd,
+                          SOFTCAP, GROUPED, ACC, PRECISION, BLOCK_D, TMA, BLOCK_M, BLOCK_N)
     else:
-        dk, dv = _dkdv_head(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, first, offs_n,
-                            offs_d, d_ok, H, T, S, D, LO, HI, qk_scale, cap_in, cap_out, s_qb,
-                            s_qh, s_qt, s_qd, s_gb, s_gh, s_gt, s_gd, q_lo, u_lo, u_hi, q_hi,
-                            SOFTCAP, BLOCK_M, BLOCK_D, ACC, PRECISION, TMA)
-    _store_rows(_slice_base(dk_ptr, bhk, HK, 1, s_db, s_dh), dk * sm_scale, offs_n, offs_d,
-                s_dt, s_dd, n_ok, d_ok)
-    _store_rows(_slice_base(dv_ptr, bhk, HK, 1, s_db, s_dh), dv, offs_n, offs_d, s_dt, s_dd,
-                n_ok, d_ok)
+        _dkdv_program(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, bhk,
+                      start_n, q0, T_b, k0, S_b, sm_scale, qk_scale, cap_in, cap_out, H, G, T,
+                      D, WL, WR, s_qb, s_qh, s_qt, s_qd, s_kb, s_kh, s_kt, s_kd, s_vb, s_vh,
+                      s_vt, s_vd, s_gb, s_gh, s_gt, s_gd, s_db, s_dh, s_dt, s_dd, SOFTCAP,
+                      GROUPED, ACC, PRECISION, BLOCK_D, TMA, BLOCK_M, BLOCK_N)
 
 
 @device_fn
@@ -210,28 +244,24 @@ def _store_grain_rows(ptr, sums, row_stride, rows_left, offs_d, d_ok):
     tl.store(ptrs, sums.to(ptr.dtype.element_ty), mask=(rows < rows_left)[:, None] & d_ok[None, :])
 
 
-@autotune(BWD_Q_CONFIGS + BWD_Q_HEAD_256, key=[*_KEY, "BIAS_SUMS"], interpret=INTERPRET_CONFIG,
-          wide=WIDE_CONFIGS, keep=_for_head_dim(BWD_Q_HEAD_256))
-@triton.jit
-def _attn_bwd_dq_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, part_ptr, sm_scale,
-    qk_scale, cap_in, cap_out, H, G, T, S, D, LO, HI, MASK, T_BUCKET, S_BUCKET, BH, GROUP,
-    s_qb, s_qh, s_qt, s_qd, s_kb, s_kh, s_kt, s_kd, s_vb, s_vh, s_vt, s_vd,
-    s_gb, s_gh, s_gt, s_gd, s_db, s_dh, s_dt, s_dd,
-    o_ptr, s_ob, s_oh, s_ot, s_od,
-    SOFTCAP: tl.constexpr, GROUPED: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_D: tl.constexpr, TMA: tl.constexpr, BIAS_SUMS: tl.constexpr, GRAIN: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    bh, block = _schedule(cdiv(T, BLOCK_M), BH, GROUP, False)
-    start_m = block * BLOCK_M
+@device_fn
+def _dq_program(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, part_ptr, o_ptr, bh,
+                start_m, q0, T_b, k0, S_b, sm_scale, qk_scale, cap_in, cap_out, H, G, T, D,
+                WL, WR, s_qb, s_qh, s_qt, s_qd, s_kb, s_kh, s_kt, s_kd, s_vb, s_vh, s_vt,
+                s_vd, s_gb, s_gh, s_gt, s_gd, s_db, s_dh, s_dt, s_dd, s_ob, s_oh, s_ot, s_od,
+                SOFTCAP: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
+                BLOCK_D: tl.constexpr, TMA: tl.constexpr, BIAS_SUMS: tl.constexpr,
+                GRAIN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """dQ (and delta) of query rows [start_m, start_m + BLOCK_M) of head bh: a sequence of
+    T_b queries from row q0 against its S_b keys from row k0."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    m_ok, d_ok = offs_m < T, offs_d < D
-    q = _load_rows(_slice_base(q_ptr, bh, H, 1, s_qb, s_qh), offs_m, offs_d, s_qt, s_qd, m_ok,
-                   d_ok)
-    do = _load_rows(_slice_base(do_ptr, bh, H, 1, s_gb, s_gh), offs_m, offs_d, s_gt, s_gd, m_ok,
-                    d_ok)
+    m_ok, d_ok = offs_m < T_b, offs_d < D
+    LO, HI = _bounds(T_b, S_b, WL, WR)
+    q = _load_rows(_slice_base(q_ptr, bh, H, 1, s_qb, s_qh, q0, s_qt), offs_m, offs_d, s_qt,
+                   s_qd, m_ok, d_ok)
+    do = _load_rows(_slice_base(do_ptr, bh, H, 1, s_gb, s_gh, q0, s_gt), offs_m, offs_d, s_gt,
+                    s_gd, m_ok, d_ok)
     if BIAS_SUMS:
         # Row (batch, query grain) of the (B * T / GRAIN, 3, H, D) partial sums, at head h:
         # [dq's column sums | 0 | dO's] (the bias gradients, see attention_bwd). dO's and
@@ -245,34 +275,67 @@ def _attn_bwd_dq_kernel(
                           d_ok)
         _store_grain_rows(base + 2 * C, do_sums, 3 * C, rows_left, offs_d, d_ok)
     lse = tl.load(lse_ptr + bh.to(tl.int64) * T + offs_m, mask=m_ok, other=0.0)
-    o = _load_rows(_slice_base(o_ptr, bh, H, 1, s_ob, s_oh), offs_m, offs_d, s_ot, s_od, m_ok,
-                   d_ok)
+    o = _load_rows(_slice_base(o_ptr, bh, H, 1, s_ob, s_oh, q0, s_ot), offs_m, offs_d, s_ot,
+                   s_od, m_ok, d_ok)
     delta = row_sum(o.to(ACC) * do.to(ACC), 1)
     tl.store(delta_ptr + bh.to(tl.int64) * T + offs_m, delta, mask=m_ok)  # for dk/dv
-    k_src = _row_source(_slice_base(k_ptr, bh, H, G, s_kb, s_kh), S, D, s_kt, TMA, BLOCK_N,
-                        BLOCK_D)
-    v_src = _row_source(_slice_base(v_ptr, bh, H, G, s_vb, s_vh), S, D, s_vt, TMA, BLOCK_N,
-                        BLOCK_D)
+    k_src = _row_source(_slice_base(k_ptr, bh, H, G, s_kb, s_kh, k0, s_kt), S_b, D, s_kt, TMA,
+                        BLOCK_N, BLOCK_D)
+    v_src = _row_source(_slice_base(v_ptr, bh, H, G, s_vb, s_vh, k0, s_vt), S_b, D, s_vt, TMA,
+                        BLOCK_N, BLOCK_D)
     dq = tl.full((BLOCK_M, BLOCK_D), 0.0, ACC)
-    lo, u_lo, u_hi, hi = _key_blocks(start_m, S, LO, HI, BLOCK_M, BLOCK_N)
-    dq = _dq_blocks(dq, q, do, lse, delta, k_src, v_src, offs_m, offs_d, d_ok, T, S, LO, HI,
+    lo, u_lo, u_hi, hi = _key_blocks(start_m, S_b, LO, HI, BLOCK_M, BLOCK_N)
+    dq = _dq_blocks(dq, q, do, lse, delta, k_src, v_src, offs_m, offs_d, d_ok, T_b, S_b, LO, HI,
                     qk_scale, cap_in, cap_out, s_kt, s_kd, s_vt, s_vd, lo, u_lo, True, SOFTCAP,
                     BLOCK_N, ACC, PRECISION, TMA)
-    dq = _dq_blocks(dq, q, do, lse, delta, k_src, v_src, offs_m, offs_d, d_ok, T, S, LO, HI,
+    dq = _dq_blocks(dq, q, do, lse, delta, k_src, v_src, offs_m, offs_d, d_ok, T_b, S_b, LO, HI,
                     qk_scale, cap_in, cap_out, s_kt, s_kd, s_vt, s_vd, u_lo, u_hi, False,
                     SOFTCAP, BLOCK_N, ACC, PRECISION, TMA)
-    dq = _dq_blocks(dq, q, do, lse, delta, k_src, v_src, offs_m, offs_d, d_ok, T, S, LO, HI,
+    dq = _dq_blocks(dq, q, do, lse, delta, k_src, v_src, offs_m, offs_d, d_ok, T_b, S_b, LO, HI,
                     qk_scale, cap_in, cap_out, s_kt, s_kd, s_vt, s_vd, u_hi, hi, True, SOFTCAP,
                     BLOCK_N, ACC, PRECISION, TMA)
     dq = dq * sm_scale
-    _store_rows(_slice_base(dq_ptr, bh, H, 1, s_db, s_dh), dq, offs_m, offs_d, s_dt, s_dd, m_ok,
-                d_ok)
+    _store_rows(_slice_base(dq_ptr, bh, H, 1, s_db, s_dh, q0, s_dt), dq, offs_m, offs_d, s_dt,
+                s_dd, m_ok, d_ok)
     if BIAS_SUMS:  # dq's column sums; the row recomputed, not kept live through the loop
         C = H * D
         grain_row = (bh // H).to(tl.int64) * cdiv(T, GRAIN) + start_m // GRAIN
         _store_grain_rows(part_ptr + grain_row * 3 * C + (bh % H) * D,
                           _grain_sums(dq, m_ok, GRAIN), 3 * C, cdiv(T - start_m, GRAIN), offs_d,
                           d_ok)
+
+
+@autotune(BWD_Q_CONFIGS + BWD_Q_HEAD_256, key=[*_KEY, "BIAS_SUMS"], interpret=INTERPRET_CONFIG,
+          wide=WIDE_CONFIGS, keep=_for_head_dim(BWD_Q_HEAD_256))
+@triton.jit
+def _attn_bwd_dq_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, part_ptr, cu_q_ptr, cu_k_ptr,
+    sm_scale, qk_scale, cap_in, cap_out, H, G, T, S, D, WL, WR, MASK, T_BUCKET, S_BUCKET, BH,
+    GROUP, s_qb, s_qh, s_qt, s_qd, s_kb, s_kh, s_kt, s_kd, s_vb, s_vh, s_vt, s_vd,
+    s_gb, s_gh, s_gt, s_gd, s_db, s_dh, s_dt, s_dd,
+    o_ptr, s_ob, s_oh, s_ot, s_od,
+    VARLEN: tl.constexpr, SOFTCAP: tl.constexpr, GROUPED: tl.constexpr, ACC: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_D: tl.constexpr, TMA: tl.constexpr, BIAS_SUMS: tl.constexpr,
+    GRAIN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # One program per (query block, batch * head), as the forward's.
+    bh, block = _schedule(cdiv(T, BLOCK_M), BH, GROUP, False)
+    q0, T_b, k0, S_b = _sequence(bh // H, cu_q_ptr, cu_k_ptr, T, S, VARLEN)
+    start_m = block * BLOCK_M
+    if VARLEN:
+        if start_m < T_b:
+            _dq_program(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, part_ptr, o_ptr,
+                        bh, start_m, q0, T_b, k0, S_b, sm_scale, qk_scale, cap_in, cap_out, H,
+                        G, T, D, WL, WR, s_qb, s_qh, s_qt, s_qd, s_kb, s_kh, s_kt, s_kd, s_vb,
+                        s_vh, s_vt, s_vd, s_gb, s_gh, s_gt, s_gd, s_db, s_dh, s_dt, s_dd, s_ob,
+                        s_oh, s_ot, s_od, SOFTCAP, ACC, PRECISION, BLOCK_D, TMA, BIAS_SUMS,
+                        GRAIN, BLOCK_M, BLOCK_N)
+    else:
+        _dq_program(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, part_ptr, o_ptr, bh,
+                    start_m, q0, T_b, k0, S_b, sm_scale, qk_scale, cap_in, cap_out, H, G, T, D,
+                    WL, WR, s_qb, s_qh, s_qt, s_qd, s_kb, s_kh, s_kt, s_kd, s_vb, s_vh, s_vt,
+                    s_vd, s_gb, s_gh, s_gt, s_gd, s_db, s_dh, s_dt, s_dd, s_ob, s_oh, s_ot, s_od,
+                    SOFTCAP, ACC, PRECISION, BLOCK_D, TMA, BIAS_SUMS, GRAIN, BLOCK_M, BLOCK_N)
 
 
 def packed_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -293,44 +356,54 @@ def gradient_buffers(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 def attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   o: torch.Tensor, lse: torch.Tensor, grads: tuple[torch.Tensor, ...],
                   causal: bool, softmax_scale: float, window: tuple[int, int] = (-1, -1),
-                  softcap: float = 0.0, bias_grad_dtype: torch.dtype | None = None
-                  ) -> torch.Tensor | None:
+                  softcap: float = 0.0, bias_grad_dtype: torch.dtype | None = None,
+                  cu_seqlens: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  max_seqlens: tuple[int, int] | None = None) -> torch.Tensor | None:
     """Writes the gradients of q: (B, H, T, D) and k, v: (B, HK, S, D) into grads = (dq,
     dk, dv) (see gradient_buffers; dk and dv of one layout). Grouped heads (HK < H): each
-    key/value head's gradient sums over the H // HK query heads that read it.
+    key/value head's gradient sums over the H // HK query heads that read it. With
+    cu_seqlens, a packed batch as attention.attention_fwd_varlen's: q, dq: (Nq, H, D),
+    k, v, dk, dv: (Nk, HK, D).
 
-    Returns, for a bias_grad_dtype (q, k, v of one shape only), the gradient (3 * H * D,)
-    in that dtype of a bias b = [b_q | b_k | b_v] added to q, k, v before the attention
-    (by the projection that made them), else None. Its sums come from the dq kernel,
-    without reading dq, dk, dv again: b_q's gradient is dq's column sums; b_k's is zero (it
-    adds q_i . b_k to every score of row i, which the softmax cancels); b_v's is dO's
-    column sums (every row of probabilities sums to one, so b_v passes to the output
+    Returns, for a bias_grad_dtype (q, k, v of one shape, not packed), the gradient
+    (3 * H * D,) in that dtype of a bias b = [b_q | b_k | b_v] added to q, k, v before the
+    attention (by the projection that made them), else None. Its sums come from the dq
+    kernel, without reading dq, dk, dv again: b_q's gradient is dq's column sums; b_k's is
+    zero (it adds q_i . b_k to every score of row i, which the softmax cancels); b_v's is
+    dO's column sums (every row of probabilities sums to one, so b_v passes to the output
     unchanged). With S = T each query row sees at least its own key under any mask here,
     so the last two hold exactly."""
-    B, H, T, D = q.shape
-    S = k.shape[2]
+    varlen = cu_seqlens is not None
+    if varlen:
+        dims = (cu_seqlens[0].shape[0] - 1, q.shape[1], k.shape[1], *max_seqlens, q.shape[2])
+        layout = packed_strides
+        cu_q, cu_k = cu_seqlens
+    else:
+        dims, layout, cu_q, cu_k = dense_dims(q, k), torch.Tensor.stride, lse, lse
+    B, H, HK, T, S, D = dims
     delta = torch.empty_like(lse)  # rowsum(dO * O): written by the dq kernel
     dq, dk, dv = grads
     bias_sums = bias_grad_dtype is not None
-    if bias_sums and not packed_grads(q, k, v):
-        raise ValueError("a QKV bias gradient needs q, k and v of one shape")
+    if bias_sums and (varlen or not packed_grads(q, k, v)):
+        raise ValueError("a QKV bias gradient needs q, k and v of one (B, H, T, D) shape")
     parts = (torch.empty((B * ceil_div(T, BIAS_GRAIN), 3 * H * D), device=q.device,
                          dtype=stat_dtype(q)) if bias_sums else delta)  # delta: not written
-    shared = kernel_args(q, k, causal, window, softmax_scale, softcap)
-    strides = (*q.stride(), *k.stride(), *v.stride(), *do.stride())
+    shared = kernel_args(q, dims, causal, window, softmax_scale, softcap)
+    strides = (*layout(q), *layout(k), *layout(v), *layout(do))
     key = (q.shape, k.shape, q.stride(), k.stride(), v.stride(), do.stride(), o.stride(),
-           q.dtype, causal, window, softcap > 0, bias_sums)
+           q.dtype, dims, causal, window, softcap > 0, bias_sums)
 
     def meta():
-        return dict(SOFTCAP=softcap > 0, GROUPED=k.shape[1] != H, ACC=acc_dtype(q),
+        return dict(VARLEN=varlen, SOFTCAP=softcap > 0, GROUPED=HK != H, ACC=acc_dtype(q),
                     PRECISION=dot_precision(q), BLOCK_D=head_block(D),
                     TMA=_loads_through_tma(q, k, v, do))
 
     _attn_bwd_dq_kernel.planned(
-        key, (q, k, v, do, lse, delta, dq, parts, softmax_scale, *shared, *strides,
-              *dq.stride(), o, *o.stride()),
+        key, (q, k, v, do, lse, delta, dq, parts, cu_q, cu_k, softmax_scale, *shared, *strides,
+              *layout(dq), o, *layout(o)),
         lambda: (_grid("BLOCK_M", T, B * H), dict(BIAS_SUMS=bias_sums, GRAIN=BIAS_GRAIN, **meta())))
     _attn_bwd_dkdv_kernel.planned(
-        key, (q, k, v, do, lse, delta, dk, dv, softmax_scale, *shared, *strides, *dk.stride()),
-        lambda: (_grid("BLOCK_N", S, B * k.shape[1]), meta()))
+        key, (q, k, v, do, lse, delta, dk, dv, cu_q, cu_k, softmax_scale, *shared, *strides,
+              *layout(dk)),
+        lambda: (_grid("BLOCK_N", S, B * HK), meta()))
     return bias_grad(parts, bias_grad_dtype) if bias_sums else None

@@ -4,7 +4,7 @@ with a twin of the same name and semantics in `fusedtrain.eager`."""
 from fusedtrain.kernels._launch import describe
 from fusedtrain.ops import published_cast as _published_cast  # noqa: F401 (registers the op)
 from fusedtrain.ops._registry import register_inductor_fallbacks
-from fusedtrain.ops.attention import flash_attention
+from fusedtrain.ops.attention import flash_attention, flash_attention_varlen
 from fusedtrain.ops.cross_entropy import cross_entropy, linear_cross_entropy
 from fusedtrain.ops.embedding import embedding, gpt_embedding
 from fusedtrain.ops.layernorm import (
@@ -22,7 +22,7 @@ from fusedtrain.ops.qkv_attention import qkv_attention
 
 __all__ = [
     "add_layer_norm", "add_rms_norm", "cross_entropy", "describe", "embedding",
-    "flash_attention", "fused_mlp", "gpt_embedding", "layer_norm", "layer_norm_gelu",
-    "layer_norm_stream", "linear", "linear_cross_entropy", "linear_gelu", "qkv_attention",
-    "qkv_projection", "register_inductor_fallbacks", "rms_norm",
+    "flash_attention", "flash_attention_varlen", "fused_mlp", "gpt_embedding", "layer_norm",
+    "layer_norm_gelu", "layer_norm_stream", "linear", "linear_cross_entropy", "linear_gelu",
+    "qkv_attention", "qkv_projection", "register_inductor_fallbacks", "rms_norm",
 ]

@@ -69,6 +69,42 @@ def _(do, q, k, v, o, lse, causal, softmax_scale, window_left, window_right, sof
     return K.output_buffer(q), K.output_buffer(k), K.output_buffer(v)
 
 
+@launcher("attention_fwd_varlen")
+def attention_fwd_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
+                         cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
+                         softmax_scale: float, window_left: int, window_right: int,
+                         softcap: float) -> tuple[Tensor, Tensor]:
+    return K.attention_fwd_varlen(q, k, v, (cu_seqlens_q, cu_seqlens_k),
+                                  (max_seqlen_q, max_seqlen_k), causal, softmax_scale,
+                                  (window_left, window_right), softcap)
+
+
+@attention_fwd_varlen.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *args):
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            q.new_empty((cu_seqlens_q.shape[0] - 1, q.shape[1], max_seqlen_q),
+                        dtype=stat_dtype(q)))
+
+
+@launcher("attention_bwd_varlen")
+def attention_bwd_varlen(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
+                         cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
+                         max_seqlen_k: int, causal: bool, softmax_scale: float,
+                         window_left: int, window_right: int,
+                         softcap: float) -> tuple[Tensor, Tensor, Tensor]:
+    """A packed batch's dq: (Nq, H, D), dk, dv: (Nk, HK, D), contiguous."""
+    grads = tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+    KB.attention_bwd(do, q, k, v, o, lse, grads, causal, softmax_scale,
+                     (window_left, window_right), softcap, None, (cu_seqlens_q, cu_seqlens_k),
+                     (max_seqlen_q, max_seqlen_k))
+    return grads
+
+
+@attention_bwd_varlen.register_fake
+def _(do, q, k, v, *args):
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+
+
 def _attention_flops(q_shape, k_shape, causal: bool, matmuls: int) -> int:
     """matmuls (T, S)-shaped products of D: all of them without a mask, half under a
     causal one with T = S (masked blocks are skipped), counted whole otherwise."""
@@ -80,6 +116,25 @@ def _attention_flops(q_shape, k_shape, causal: bool, matmuls: int) -> int:
 @register_flop_formula(torch.ops.fusedtrain.attention_fwd)
 def _(q_shape, k_shape, v_shape, causal, *args, **kwargs) -> int:
     return _attention_flops(q_shape, k_shape, causal, matmuls=2)
+
+
+def _varlen_flops(q_shape, max_seqlen_k: int, causal: bool, matmuls: int) -> int:
+    """An upper bound from the shapes alone: every query against max_seqlen_k keys (half
+    of them under a causal mask); the true count needs cu_seqlens' values."""
+    N, H, D = q_shape
+    flops = matmuls * 2 * N * H * max_seqlen_k * D
+    return flops // 2 if causal else flops
+
+
+@register_flop_formula(torch.ops.fusedtrain.attention_fwd_varlen)
+def _(q_shape, k_shape, v_shape, cu_q, cu_k, max_q, max_k, causal, *args, **kwargs) -> int:
+    return _varlen_flops(q_shape, max_k, causal, matmuls=2)
+
+
+@register_flop_formula(torch.ops.fusedtrain.attention_bwd_varlen)
+def _(do_shape, q_shape, k_shape, v_shape, o_shape, lse_shape, cu_q, cu_k, max_q, max_k, causal,
+      *args, **kwargs) -> int:
+    return _varlen_flops(q_shape, max_k, causal, matmuls=5)
 
 
 @register_flop_formula([torch.ops.fusedtrain.attention_bwd,
@@ -178,3 +233,95 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True,
     if q.numel() == 0 or k.shape[2] == 0:  # no rows, or no key to see: zeros
         return q.new_zeros(q.shape)
     return _apply_flash_attention(q, k, v, bool(causal), scale, window, softcap)
+
+
+class FlashAttentionVarlenFunction(torch.autograd.Function):
+    """flash_attention_varlen's: saves q, k, v, o, the row log-sum-exp and cu_seqlens."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
+                cu_seqlens_k: Tensor, max_seqlens: tuple[int, int], causal: bool,
+                softmax_scale: float, window: tuple[int, int], softcap: float):
+        o, lse = attention_fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *max_seqlens, causal,
+                                      softmax_scale, *window, softcap)
+        ctx.save_for_backward(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k)
+        ctx.args = (*max_seqlens, causal, softmax_scale, *window, softcap)
+        return o
+
+    @staticmethod
+    def backward(ctx, do: Tensor):
+        q, k, v, o, lse, cu_q, cu_k = ctx.saved_tensors
+        dq, dk, dv = attention_bwd_varlen(do, q, k, v, o, lse, cu_q, cu_k, *ctx.args)
+        return dq, dk, dv, None, None, None, None, None, None, None
+
+
+_apply_flash_attention_varlen = function_apply(FlashAttentionVarlenFunction)
+
+
+def _check_cu_seqlens(name: str, cu: Tensor, rows: int, max_seqlen: int, ref: Tensor) -> Tensor:
+    """cu_seqlens as documented (int32, 1-D, on ref's device, starting at 0, non-decreasing,
+    ending at `rows`, no sequence past max_seqlen): ValueError or TypeError naming it.
+    Returns a flag tensor, true where a value breaks the rules, read once for both."""
+    if not isinstance(cu, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
+    if cu.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32, got {cu.dtype}")
+    if cu.dim() != 1 or cu.shape[0] < 1:
+        raise ValueError(f"{name} must be 1-D of batch + 1 entries, got shape {tuple(cu.shape)}")
+    check_same("q", ref, same_dtype=False, **{name: cu})
+    lengths = cu.diff()
+    return ((cu[0] != 0) | (cu[-1] != rows) | (lengths < 0).any()
+            | (lengths > max_seqlen).any())
+
+
+def flash_attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
+                           cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                           causal: bool = True, softmax_scale: float | None = None,
+                           window: tuple[int, int] | None = None,
+                           softcap: float | None = None) -> Tensor:
+    """flash_attention over a batch of sequences packed along the first dim, no attention
+    crossing a sequence boundary (FlashAttention's flash_attn_varlen_func conventions).
+
+    q: (Nq, Hq, D); k, v: (Nk, Hkv, D), Hq % Hkv == 0; sequence b is rows
+    cu_seqlens_q[b]:cu_seqlens_q[b + 1] of q and cu_seqlens_k[b]:cu_seqlens_k[b + 1] of k
+    and v; cu_seqlens_*: int32 (batch + 1,), from 0, non-decreasing, ending at N, no
+    sequence longer than max_seqlen_*. Sequences of length 0 and 1 are allowed. causal,
+    softmax_scale, window and softcap as flash_attention's, per sequence (masks aligned to
+    each sequence's bottom right). -> o: (Nq, Hq, D).
+    The cu_seqlens rules are checked on their values: one device-to-host read a call
+    (none under torch.compile or while a CUDA graph is captured).
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(name, t, ndim=3)
+    Nq, Hq, D = q.shape
+    if k.shape != v.shape or k.shape[2] != D:
+        raise ValueError(f"k and v must have one shape (Nk, Hkv, D) with q's D; got q "
+                         f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if k.shape[1] == 0 or Hq % k.shape[1]:
+        raise ValueError(f"q's heads (Hq={Hq}) must be a multiple of k's and v's "
+                         f"(Hkv={k.shape[1]})")
+    for name, n in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ValueError(f"{name} must be a non-negative int, got {n!r}")
+    scale = checked_scale(D, softmax_scale)
+    window, softcap = checked_window(window), checked_softcap(softcap)
+    q, k, v = autocast_cast(q, k, v)
+    check_same("q", q, k=k, v=v)
+    bad = [_check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, Nq, max_seqlen_q, q),
+           _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, q)]
+    if cu_seqlens_q.shape != cu_seqlens_k.shape:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have one length (batch + 1); got "
+                         f"{cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}")
+    if not (torch.compiler.is_compiling()
+            or (q.is_cuda and torch.cuda.is_current_stream_capturing())):
+        bad_q, bad_k = torch.stack(bad).tolist()
+        for name, is_bad, rows, longest in (("cu_seqlens_q", bad_q, Nq, max_seqlen_q),
+                                            ("cu_seqlens_k", bad_k, k.shape[0], max_seqlen_k)):
+            if is_bad:
+                raise ValueError(f"{name} must start at 0, never decrease and end at {rows}, "
+                                 f"with no sequence longer than {longest}")
+    if q.numel() == 0 or k.shape[0] == 0 or max_seqlen_q == 0 or max_seqlen_k == 0:
+        return q.new_zeros(q.shape)
+    return _apply_flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                         (max_seqlen_q, max_seqlen_k), bool(causal), scale,
+                                         window, softcap)
