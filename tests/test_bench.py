@@ -312,16 +312,26 @@ def test_kernel_report_renders_the_rows_a_gpu_run_wrote(tmp_path, capsys):
     from fusedtrain.bench import kernels
 
     rows = []
-    for family in ("attn", "ln", "qkv"):
+    for family in ("attn", "attn-features", "ln", "qkv"):
         path = ROOT / "tests" / "data" / f"kernels-graph-{family}.json"
         rows += json.loads(path.read_text())["rows"]
     kernels.print_table(rows)
     printed = capsys.readouterr().out
     assert printed.count("\n") >= len(rows) and "sdpa_cudnn" in printed and "fwd_GBps" in printed
+    assert "peer_kernels: sdpa_default ['cudnn_generated_fort_native_sdpa" in printed
     kernels.plot_kernels(rows, tmp_path / "k.png", "title")
     assert (tmp_path / "k.png").stat().st_size > 0
-    assert set(kernels.FAMILIES) == {"linear_gelu", "qkv", "attention", "layernorm",
-                                     "cross_entropy"}
+    assert set(kernels.FAMILIES) == {"linear_gelu", "qkv", "attention", "attention_features",
+                                     "attention_varlen", "layernorm", "cross_entropy"}
+
+
+def test_document_lengths_span_the_range_and_fill_the_total():
+    from fusedtrain.bench.kernels import document_lengths
+
+    lengths = document_lengths()
+    assert len(lengths) == 16 and sum(lengths) == 32768
+    assert min(lengths) >= 128 and max(lengths) <= 4096
+    assert document_lengths(seed=1) != lengths
 
 
 def test_the_timed_steps_run_with_the_python_heap_frozen(monkeypatch):

@@ -138,6 +138,30 @@ def _sdpa(backend):
     return run
 
 
+def _time_attention(row: dict, peers: dict, flops: float, name_kernels: bool = False) -> dict:
+    """Fills row's forward and forward+backward milliseconds and TFLOP/s (forward+backward
+    counted as 3.5 forwards) for each peer name -> (fn, inputs); with name_kernels, the
+    kernels each peer but fused ran (ran_kernels). A peer that fails is left out, its error
+    printed."""
+    row.update(fwd={}, fwd_bwd={})
+    for name, (f, args) in peers.items():
+        try:
+            with torch.no_grad():
+                row["fwd"][name] = bench(lambda f=f, a=args: f(*a))
+            row["fwd_bwd"][name] = bench(fwd_bwd(f, args))
+            if name_kernels and name != "fused":
+                with torch.no_grad():
+                    row.setdefault("peer_kernels", {})[name] = ran_kernels(
+                        lambda f=f, a=args: f(*a))
+        except (RuntimeError, torch.OutOfMemoryError) as e:
+            print(f"  {name} at {row['shape']}: {type(e).__name__}: {str(e)[:80]}",
+                  file=sys.stderr)
+        torch.cuda.empty_cache()
+    row["fwd_tflops"] = {k: flops / ms / 1e9 for k, ms in row["fwd"].items()}
+    row["fwd_bwd_tflops"] = {k: 3.5 * flops / ms / 1e9 for k, ms in row["fwd_bwd"].items()}
+    return row
+
+
 def bench_attention(rows: list[dict]) -> None:
     from torch.nn.attention import SDPBackend
 
@@ -148,20 +172,11 @@ def bench_attention(rows: list[dict]) -> None:
         for causal in (True, False):
             q, k, v = randn(B, H, T, D), randn(B, H, T, D), randn(B, H, T, D)
             flops = 4 * B * H * T * T * D / (2 if causal else 1)
-            r = {"family": "attention", "shape": f"B={B} H={H} T={T} D={D} "
-                 f"{'causal' if causal else 'full'}", "fwd": {}, "fwd_bwd": {}}
-            for name, f in peers.items():
-                try:
-                    with torch.no_grad():
-                        r["fwd"][name] = bench(lambda f=f: f(q, k, v, causal))
-                    r["fwd_bwd"][name] = bench(fwd_bwd(lambda *a, f=f: f(*a, causal), (q, k, v)))
-                except (RuntimeError, torch.OutOfMemoryError) as e:
-                    print(f"  {name} at {r['shape']}: {type(e).__name__}: {str(e)[:80]}",
-                          file=sys.stderr)
-                torch.cuda.empty_cache()
-            r["fwd_tflops"] = {k: flops / ms / 1e9 for k, ms in r["fwd"].items()}
-            r["fwd_bwd_tflops"] = {k: 3.5 * flops / ms / 1e9 for k, ms in r["fwd_bwd"].items()}
-            rows.append(r)
+            shape = f"B={B} H={H} T={T} D={D} {'causal' if causal else 'full'}"
+            rows.append(_time_attention(
+                {"family": "attention", "shape": shape},
+                {name: (lambda *a, f=f: f(*a, causal), (q, k, v)) for name, f in peers.items()},
+                flops))
 
 
 def ran_kernels(fn) -> list[str]:
@@ -229,23 +244,10 @@ def bench_attention_features(rows: list[dict]) -> None:
         flops = 4 * B * Hq * int(seen.sum()) * D
         fns = {"fused": lambda q, k, v, kw=kwargs: ops.flash_attention(q, k, v, True, **kw),
                **peers}
-        r = {"family": "attention_features", "shape": f"{name} B={B} Hq={Hq} Hkv={Hkv} "
-             f"T={T} D={D} causal", "fwd": {}, "fwd_bwd": {}, "peer_kernels": {}}
-        for peer, f in fns.items():
-            try:
-                with torch.no_grad():
-                    r["fwd"][peer] = bench(lambda f=f: f(q, k, v))
-                r["fwd_bwd"][peer] = bench(fwd_bwd(f, (q, k, v)))
-                if peer != "fused":
-                    with torch.no_grad():
-                        r["peer_kernels"][peer] = ran_kernels(lambda f=f: f(q, k, v))
-            except (RuntimeError, torch.OutOfMemoryError) as e:
-                print(f"  {peer} at {r['shape']}: {type(e).__name__}: {str(e)[:80]}",
-                      file=sys.stderr)
-            torch.cuda.empty_cache()
-        r["fwd_tflops"] = {p: flops / ms / 1e9 for p, ms in r["fwd"].items()}
-        r["fwd_bwd_tflops"] = {p: 3.5 * flops / ms / 1e9 for p, ms in r["fwd_bwd"].items()}
-        rows.append(r)
+        shape = f"{name} B={B} Hq={Hq} Hkv={Hkv} T={T} D={D} causal"
+        rows.append(_time_attention({"family": "attention_features", "shape": shape},
+                                    {p: (f, (q, k, v)) for p, f in fns.items()}, flops,
+                                    name_kernels=True))
 
 
 def document_lengths(n_docs: int = 16, total: int = 32768, shortest: int = 128,
@@ -288,19 +290,9 @@ def bench_attention_varlen(rows: list[dict]) -> None:
            "sdpa_default_padded": (lambda q, k, v: F.scaled_dot_product_attention(
                q, k, v, is_causal=True), padded)}
     flops = 4 * H * D * sum(n * (n + 1) // 2 for n in lengths)
-    r = {"family": "attention_features", "shape": f"varlen docs={len(lengths)} N={N} "
-         f"longest={longest} H={H} D={D} causal", "fwd": {}, "fwd_bwd": {}, "peer_kernels": {}}
-    for peer, (f, args) in fns.items():
-        with torch.no_grad():
-            r["fwd"][peer] = bench(lambda f=f, a=args: f(*a))
-        r["fwd_bwd"][peer] = bench(fwd_bwd(f, args))
-        if peer != "fused":
-            with torch.no_grad():
-                r["peer_kernels"][peer] = ran_kernels(lambda f=f, a=args: f(*a))
-        torch.cuda.empty_cache()
-    r["fwd_tflops"] = {p: flops / ms / 1e9 for p, ms in r["fwd"].items()}
-    r["fwd_bwd_tflops"] = {p: 3.5 * flops / ms / 1e9 for p, ms in r["fwd_bwd"].items()}
-    rows.append(r)
+    shape = f"varlen docs={len(lengths)} N={N} longest={longest} H={H} D={D} causal"
+    rows.append(_time_attention({"family": "attention_features", "shape": shape}, fns, flops,
+                                name_kernels=True))
 
 
 def copy_bandwidth(n_bytes: int = 2 ** 30) -> float:

@@ -167,6 +167,14 @@ def _sequence(b, cu_q_ptr, cu_k_ptr, T, S, VARLEN: tl.constexpr):
 
 
 @device_fn
+def _rows_of(start, n, D, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """(row offsets, column offsets, row mask, column mask) of rows [start, start + BLOCK_R)
+    of n, BLOCK_D columns of D."""
+    offs, offs_d = start + tl.arange(0, BLOCK_R), tl.arange(0, BLOCK_D)
+    return offs, offs_d, offs < n, offs_d < D
+
+
+@device_fn
 def _bounds(T, S, WL, WR):
     """(LO, HI): query i of T sees key j of S iff i + LO <= j <= i + HI, for the window
     (WL, WR) aligned to the bottom right (query i's diagonal is key i + S - T; causal is
@@ -264,9 +272,7 @@ def _fwd_program(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, bh, start_m, q0, T_b, k0, 
                  BLOCK_N: tl.constexpr):
     """One query block of one head: rows [start_m, start_m + BLOCK_M) of a sequence of T_b
     queries from row q0 against its S_b keys from row k0."""
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    m_ok, d_ok = offs_m < T_b, offs_d < D
+    offs_m, offs_d, m_ok, d_ok = _rows_of(start_m, T_b, D, BLOCK_M, BLOCK_D)
     LO, HI = _bounds(T_b, S_b, WL, WR)
     q = _load_rows(_slice_base(q_ptr, bh, H, 1, s_qb, s_qh, q0, s_qt), offs_m, offs_d, s_qt,
                    s_qd, m_ok, d_ok)

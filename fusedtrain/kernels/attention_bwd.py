@@ -30,6 +30,7 @@ from fusedtrain.kernels.attention import (
     _load_tile,
     _loads_through_tma,
     _row_source,
+    _rows_of,
     _schedule,
     _sequence,
     _slice_base,
@@ -143,9 +144,7 @@ def _dkdv_program(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_pt
     heads read each key/value head, and this program sums their gradients in turn (no
     atomics)."""
     HK = H // G
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    n_ok, d_ok = offs_n < S_b, offs_d < D
+    offs_n, offs_d, n_ok, d_ok = _rows_of(start_n, S_b, D, BLOCK_N, BLOCK_D)
     LO, HI = _bounds(T_b, S_b, WL, WR)
     k = _load_rows(_slice_base(k_ptr, bhk, HK, 1, s_kb, s_kh, k0, s_kt), offs_n, offs_d, s_kt,
                    s_kd, n_ok, d_ok)
@@ -254,9 +253,7 @@ def _dq_program(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, part_pt
                 GRAIN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """dQ (and delta) of query rows [start_m, start_m + BLOCK_M) of head bh: a sequence of
     T_b queries from row q0 against its S_b keys from row k0."""
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    m_ok, d_ok = offs_m < T_b, offs_d < D
+    offs_m, offs_d, m_ok, d_ok = _rows_of(start_m, T_b, D, BLOCK_M, BLOCK_D)
     LO, HI = _bounds(T_b, S_b, WL, WR)
     q = _load_rows(_slice_base(q_ptr, bh, H, 1, s_qb, s_qh, q0, s_qt), offs_m, offs_d, s_qt,
                    s_qd, m_ok, d_ok)
