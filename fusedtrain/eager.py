@@ -146,12 +146,15 @@ def flash_attention_varlen(
 def qkv_attention(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n_heads: int,
     causal: bool = True, softmax_scale: float | None = None,
+    window: tuple[int, int] | None = None,
 ) -> torch.Tensor:
-    """flash_attention(*qkv_projection(x, weight, bias, n_heads), causal, softmax_scale).
+    """flash_attention(*qkv_projection(x, weight, bias, n_heads), causal, softmax_scale,
+    window).
 
     x: (B, T, C), weight: (3C, C), bias: (3C,) -> o: (B, n_heads, T, C // n_heads).
     """
-    return flash_attention(*qkv_projection(x, weight, bias, n_heads), causal, softmax_scale)
+    return flash_attention(*qkv_projection(x, weight, bias, n_heads), causal, softmax_scale,
+                           window)
 
 
 def layer_norm(

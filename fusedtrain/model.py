@@ -27,6 +27,8 @@ class GPTConfig:
     bias: bool = True
     gelu: str = "tanh"  # "tanh" (GPT-2's) or "none" (erf)
     eager_attention: str = "math"  # the unfused attention: "math" or "sdpa"
+    n_kv_head: int | None = None  # key/value heads (grouped-query attention); None: n_head
+    attention_window: int | None = None  # each token sees itself and this many before it
     kernels: dict[str, bool] = field(default_factory=lambda: dict.fromkeys(KERNEL_FAMILIES, False))
 
     def __post_init__(self) -> None:
@@ -37,6 +39,17 @@ class GPTConfig:
             raise ValueError(
                 f"model.n_embd ({self.n_embd}) must be divisible by model.n_head ({self.n_head})"
             )
+        if self.n_kv_head is None:
+            self.n_kv_head = self.n_head
+        if (not isinstance(self.n_kv_head, int) or isinstance(self.n_kv_head, bool)
+                or self.n_kv_head <= 0 or self.n_head % self.n_kv_head):
+            raise ValueError(f"model.n_kv_head must be a positive divisor of model.n_head "
+                             f"({self.n_head}), got {self.n_kv_head!r}")
+        if self.attention_window is not None and (
+                not isinstance(self.attention_window, int)
+                or isinstance(self.attention_window, bool) or self.attention_window < 0):
+            raise ValueError(f"model.attention_window must be a non-negative int or null, got "
+                             f"{self.attention_window!r}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"model.dropout must be in [0, 1), got {self.dropout}")
         if self.gelu not in ("none", "tanh"):
@@ -76,7 +89,8 @@ class Block(nn.Module):
         k = cfg.kernels
         self.ln_1 = ResidualLayerNorm(cfg.n_embd, k["layernorm"], cfg.bias)
         self.attn = CausalSelfAttention(
-            cfg.n_embd, cfg.n_head, k["qkv"], k["attention"], cfg.eager_attention, cfg.bias
+            cfg.n_embd, cfg.n_head, k["qkv"], k["attention"], cfg.eager_attention, cfg.bias,
+            cfg.n_kv_head, cfg.attention_window,
         )
         self.ln_2 = ResidualLayerNorm(cfg.n_embd, k["layernorm"], cfg.bias)
         self.mlp = MLP(cfg.n_embd, k["mlp"], cfg.bias, cfg.gelu)
@@ -266,7 +280,10 @@ class GPT(nn.Module):
         return n - wpe if non_embedding else n
 
     def flops_per_token(self, seq_len: int | None = None) -> float:
-        """Training flops per token: 6N + 12 * L * H * Dh * T (PaLM appendix B)."""
+        """Training flops per token: 6N + 12 * L * H * Dh * T (PaLM appendix B), T the keys a
+        query may see (at most attention_window + 1)."""
         c = self.config
         T = seq_len or c.block_size
+        if c.attention_window is not None:
+            T = min(T, c.attention_window + 1)
         return 6 * self.num_params() + 12 * c.n_layer * c.n_embd * T

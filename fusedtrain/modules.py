@@ -72,28 +72,36 @@ class MLP(nn.Module):
 class CausalSelfAttention(nn.Module):
     """x: (B, T, C) -> causal multi-head self-attention: (B, T, C).
 
-    fused_qkv: one Triton GEMM writes q, k, v as (B, H, T, D), and the output projection
-    is `ops.linear` (grouped casts, the column-sum kernel's bias gradient); else one
-    linear + split, and nn.Linear.
+    n_kv_head key/value heads (default n_head; fewer: grouped-query attention, query head h
+    reading key/value head h // (n_head // n_kv_head)); c_attn's weight is
+    ((n_head + 2 n_kv_head) * D, C). window: each token sees itself and the `window`
+    tokens before it (default: all before it).
+    fused_qkv: one Triton GEMM writes q, k, v as (B, H, T, D) (with n_kv_head < n_head,
+    `ops.linear` and views instead: the head-split GEMM takes three equal parts), and the
+    output projection is `ops.linear` (grouped casts, the column-sum kernel's bias
+    gradient); else one linear + split, and nn.Linear.
     fused_attention: Triton flash attention; else `eager_attention`, "math" (the
     (T, T) matrix in memory) or "sdpa" (PyTorch's scaled_dot_product_attention).
-    Both fused: one op (`ops.qkv_attention`), whose attention backward also sums the
-    projection's bias gradient.
+    Both fused with n_kv_head == n_head: one op (`ops.qkv_attention`), whose attention
+    backward also sums the projection's bias gradient.
     """
 
     def __init__(
         self, n_embd: int, n_head: int, fused_qkv: bool, fused_attention: bool,
-        eager_attention: str = "math", bias: bool = True,
+        eager_attention: str = "math", bias: bool = True, n_kv_head: int | None = None,
+        window: int | None = None,
     ):
         super().__init__()
         if eager_attention not in ("math", "sdpa"):
             raise ValueError(f"eager_attention must be 'math' or 'sdpa', got {eager_attention!r}")
-        self.c_attn = nn.Linear(n_embd, 3 * n_embd, bias=bias)
+        self.n_head, self.n_kv_head = n_head, n_kv_head or n_head
+        head_dim = n_embd // n_head
+        self.c_attn = nn.Linear(n_embd, (n_head + 2 * self.n_kv_head) * head_dim, bias=bias)
         self.c_proj = nn.Linear(n_embd, n_embd, bias=bias)
-        self.n_head = n_head
         self.fused_qkv = fused_qkv
         self.fused_attention = fused_attention
         self.eager_attention = eager_attention
+        self.window = None if window is None else (window, 0)
 
     def forward(self, x: torch.Tensor, out_bias: bool = True) -> torch.Tensor:
         """out_bias=False leaves c_proj's bias out, for the caller to add (the fused
@@ -101,8 +109,9 @@ class CausalSelfAttention(nn.Module):
         anyway)."""
         B, T, C = x.shape
         w, b = self.c_attn.weight, self.c_attn.bias
-        if self.fused_qkv and self.fused_attention:  # the bias gradient from the attention
-            y = _fused_ops().qkv_attention(x, w, b, self.n_head, causal=True)
+        if self.fused_qkv and self.fused_attention and self.n_kv_head == self.n_head:
+            # the bias gradient from the attention
+            y = _fused_ops().qkv_attention(x, w, b, self.n_head, causal=True, window=self.window)
         else:
             y = self._attention(x, w, b)
         y = y.transpose(1, 2).reshape(B, T, C)
@@ -111,12 +120,29 @@ class CausalSelfAttention(nn.Module):
             return _fused_ops().linear(y, self.c_proj.weight, bias)
         return F.linear(y, self.c_proj.weight, bias)
 
+    def _project(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, ...]:
+        """x (B, T, C) -> q (B, n_head, T, D), k, v (B, n_kv_head, T, D)."""
+        if self.n_kv_head == self.n_head:
+            project = (_fused_ops().qkv_projection if self.fused_qkv
+                       else eager.qkv_projection_packed)
+            return project(x, w, b, self.n_head)
+        B, T, C = x.shape
+        D = C // self.n_head
+        y = (_fused_ops().linear if self.fused_qkv else F.linear)(x, w, b)
+        parts = y.split([self.n_head * D, self.n_kv_head * D, self.n_kv_head * D], dim=-1)
+        return tuple(t.view(B, T, -1, D).transpose(1, 2) for t in parts)
+
     def _attention(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
         """The projection and attention as separate ops: x (B, T, C) -> (B, H, T, D)."""
-        project = _fused_ops().qkv_projection if self.fused_qkv else eager.qkv_projection_packed
-        q, k, v = project(x, w, b, self.n_head)
+        q, k, v = self._project(x, w, b)
         if self.fused_attention:
-            return _fused_ops().flash_attention(q, k, v, causal=True)
+            return _fused_ops().flash_attention(q, k, v, causal=True, window=self.window)
         if self.eager_attention == "sdpa":
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return eager.flash_attention(q, k, v, causal=True)
+            grouped = self.n_kv_head != self.n_head
+            if self.window is None:
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                      enable_gqa=grouped)
+            seen = eager.attention_mask(q.shape[2], k.shape[2], True, self.window, q.device)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=seen, enable_gqa=grouped)
+        return eager.flash_attention(q, k, v, causal=True, window=self.window)

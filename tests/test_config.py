@@ -49,10 +49,17 @@ def test_per_component_override():
                                  "embedding": True}
 
 
+def test_grouped_heads_and_window_reach_the_model():
+    run = build_run_config(_compose(["model.n_kv_head=1", "model.attention_window=16"]))
+    assert (run.model.n_kv_head, run.model.attention_window) == (1, 16)
+    assert build_run_config(_compose([])).model.n_kv_head == run.model.n_head
+
+
 @pytest.mark.parametrize("override,match", [
     ("optim.lr=-1", "optim.lr"), ("model.n_head=3", "divisible"),
     ("data.batch_size=0", "data.batch_size"), ("trainer.max_steps=0", "max_steps"),
     ("+model.kernels.conv=true", "conv"), ("+optim.momentum=0.9", "optim.momentum"),
+    ("model.n_kv_head=3", "n_kv_head"), ("model.attention_window=-2", "attention_window"),
 ])
 def test_bad_settings_are_named(override, match):
     with pytest.raises(ConfigError, match=match):

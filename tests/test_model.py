@@ -42,6 +42,25 @@ def test_flops_per_token():
     model = GPT(GPTConfig(**TINY))
     expected = 6 * model.num_params() + 12 * 2 * 32 * 32
     assert model.flops_per_token() == expected
+    windowed = GPT(GPTConfig(**TINY, attention_window=7))  # 8 keys a query at most
+    assert windowed.flops_per_token() == 6 * windowed.num_params() + 12 * 2 * 32 * 8
+
+
+def test_grouped_heads_and_window_in_the_model():
+    """n_kv_head=1: c_attn projects to (n_head + 2) * D; attention_window=2: a token's loss
+    does not depend on tokens more than 2 (x layers) back; the sdpa and math eager paths
+    agree."""
+    cfg = dict(TINY, n_head=4, n_kv_head=1, attention_window=2, n_layer=1)
+    model = GPT(GPTConfig(**cfg))
+    assert model.transformer.h[0].attn.c_attn.weight.shape == (6 * 8, 32)
+    x = torch.randint(0, 256, (1, 12))
+    y = x.clone()
+    y[0, 0] = (x[0, 0] + 1) % 256  # beyond the window of positions 3 and later
+    torch.testing.assert_close(model(x)[0, 3:], model(y)[0, 3:])
+    assert not torch.allclose(model(x)[0, 2], model(y)[0, 2])
+    sdpa = GPT(GPTConfig(**cfg, eager_attention="sdpa"))
+    sdpa.load_state_dict(model.state_dict())
+    torch.testing.assert_close(sdpa(x), model(x), rtol=1e-5, atol=1e-5)
 
 
 def test_sequence_longer_than_block_size_is_refused():
@@ -53,6 +72,8 @@ def test_sequence_longer_than_block_size_is_refused():
 @pytest.mark.parametrize("bad,match", [
     (dict(n_embd=30, n_head=4), "divisible"), (dict(n_layer=0), "n_layer"),
     (dict(kernels={"mlp": True, "conv": True}), "conv"), (dict(gelu="relu"), "gelu"),
+    (dict(n_kv_head=3), "n_kv_head"), (dict(n_kv_head=0), "n_kv_head"),
+    (dict(attention_window=-1), "attention_window"),
 ])
 def test_bad_config(bad, match):
     with pytest.raises(ValueError, match=match):
@@ -74,18 +95,24 @@ def test_eager_training_lowers_loss():
     assert losses[-1] < losses[0] - 1.0
 
 
-@pytest.mark.parametrize("family", [*KERNEL_FAMILIES, "all"])
-def test_fused_and_eager_models_agree(family):
-    """Same weights, same batch: loss and every gradient match in fp32. (Biases made
-    nonzero: the fused model adds the output projections' biases in its LayerNorms.)"""
+GROUPED = dict(n_head=4, n_kv_head=2, attention_window=5)
+
+
+@pytest.mark.parametrize("family,extra", [*[(f, {}) for f in (*KERNEL_FAMILIES, "all")],
+                                          ("attention", GROUPED), ("qkv", GROUPED),
+                                          ("all", GROUPED)])
+def test_fused_and_eager_models_agree(family, extra):
+    """Same weights, same batch: loss and every gradient match in fp32, also with grouped
+    key/value heads and a sliding window. (Biases made nonzero: the fused model adds the
+    output projections' biases in its LayerNorms.)"""
     kernels = {k: family in (k, "all") for k in KERNEL_FAMILIES}
     torch.manual_seed(0)
-    eager_model = GPT(GPTConfig(**TINY))
+    eager_model = GPT(GPTConfig(**{**TINY, **extra}))
     with torch.no_grad():
         for name, p in eager_model.named_parameters():
             if name.endswith("bias"):
                 p.normal_(0.0, 0.1)
-    fused_model = GPT(GPTConfig(**TINY, kernels=kernels))
+    fused_model = GPT(GPTConfig(**{**TINY, **extra}, kernels=kernels))
     fused_model.load_state_dict(eager_model.state_dict())
     x = torch.randint(0, 256, (2, 32))
     losses = []

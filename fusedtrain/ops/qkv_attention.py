@@ -13,7 +13,13 @@ import torch
 
 from fusedtrain.casts import cast_params
 from fusedtrain.ops._registry import function_apply
-from fusedtrain.ops.attention import attention_bwd, attention_fwd, checked_scale, flash_attention
+from fusedtrain.ops.attention import (
+    attention_bwd,
+    attention_fwd,
+    checked_scale,
+    checked_window,
+    flash_attention,
+)
 from fusedtrain.ops.qkv import checked_args, qkv_bwd, qkv_fwd, qkv_projection
 
 Tensor = torch.Tensor
@@ -25,38 +31,41 @@ class QKVAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, n_heads: int,
-                causal: bool, softmax_scale: float, compute_dtype: torch.dtype | None):
+                causal: bool, softmax_scale: float, window: tuple[int, int],
+                compute_dtype: torch.dtype | None):
         ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
         weight, bias = cast_params(compute_dtype, weight, bias)
         q, k, v = qkv_fwd(x, weight, bias, n_heads)
-        o, lse = attention_fwd(q, k, v, causal, softmax_scale)
+        o, lse = attention_fwd(q, k, v, causal, softmax_scale, *window)
         ctx.save_for_backward(x, weight, q, k, v, o, lse)
-        ctx.causal, ctx.softmax_scale = causal, softmax_scale
+        ctx.args = (causal, softmax_scale, *window)
         return o
 
     @staticmethod
     def backward(ctx, do: Tensor):
         x, weight, q, k, v, o, lse = ctx.saved_tensors
         w_dtype, b_dtype = ctx.dtypes
-        grads, db = attention_bwd(do, q, k, v, o, lse, ctx.causal, ctx.softmax_scale, -1, -1,
-                                  0.0, b_dtype)
+        grads, db = attention_bwd(do, q, k, v, o, lse, *ctx.args, 0.0, b_dtype)
         dx, dw, _ = qkv_bwd(*grads.unbind(0), x, weight, w_dtype, None)
-        return dx, dw, None if b_dtype is None else db, None, None, None, None
+        return dx, dw, None if b_dtype is None else db, None, None, None, None, None
 
 
 _apply_qkv_attention = function_apply(QKVAttentionFunction)
 
 
 def qkv_attention(x: Tensor, weight: Tensor, bias: Tensor | None, n_heads: int,
-                  causal: bool = True, softmax_scale: float | None = None) -> Tensor:
-    """flash_attention(*qkv_projection(x, weight, bias, n_heads), causal, softmax_scale).
+                  causal: bool = True, softmax_scale: float | None = None,
+                  window: tuple[int, int] | None = None) -> Tensor:
+    """flash_attention(*qkv_projection(x, weight, bias, n_heads), causal, softmax_scale,
+    window).
 
     x: (B, T, C), weight: (3C, C), bias: (3C,) -> o: (B, n_heads, T, C // n_heads), stored
     as (B, T, n_heads, C // n_heads) (see flash_attention).
     """
     x, weight, bias, compute_dtype = checked_args(x, weight, bias, n_heads)
     scale = checked_scale(x.shape[-1] // n_heads, softmax_scale)
+    window = checked_window(window)
     if x.numel() == 0:
-        return flash_attention(*qkv_projection(x, weight, bias, n_heads), causal, scale)
-    return _apply_qkv_attention(x, weight, bias, n_heads, bool(causal), scale,
-                                      compute_dtype)
+        return flash_attention(*qkv_projection(x, weight, bias, n_heads), causal, scale, window)
+    return _apply_qkv_attention(x, weight, bias, n_heads, bool(causal), scale, window,
+                                compute_dtype)
