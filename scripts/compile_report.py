@@ -20,7 +20,8 @@ triton==3.6.0`): the figures guide, the GPU decides.
 The last four are Gluon kernels (the warp-specialised GEMMs of kernels.gemm_gluon and the
 one-pass cross-entropy of kernels.cross_entropy_smem at GPT-2's vocabulary), written
 against the Gluon API of one triton release (_tma.GLUON_TRITON): with another, they are
-reported as skipped.
+reported as skipped. `--inductor-sources` checks instead that every Triton kernel survives
+torch.compile's re-emission of user kernels (each helper under its own name).
 """
 
 from __future__ import annotations
@@ -190,6 +191,57 @@ def resources(compiled) -> dict[str, int]:
             "shared_bytes": compiled.metadata.shared}
 
 
+# The Triton (not Gluon) kernel modules, whose kernels torch.library.triton_op could hand
+# to Inductor.
+TRITON_MODULES = ("adamw", "attention", "attention_bwd", "bias_grad", "cross_entropy",
+                  "embedding", "layernorm", "linear_gelu", "qkv")
+
+
+def inductor_undefined(kernel: triton.runtime.jit.JITFunction) -> list[str]:
+    """The globals that Inductor's re-emitted source of a user kernel (with its helpers, as
+    torch.compile writes a kernel registered through torch.library.triton_op into its
+    generated code) reads without defining; an alias of a helper under another name is
+    one."""
+    import dis
+    import importlib.util
+
+    from torch._inductor.codegen.wrapper import (
+        user_defined_triton_kernel_transitive_closure_source_code as emitted,
+    )
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, f"emitted_{kernel.__name__}.py")
+        with open(path, "w") as f:
+            f.write("import triton\nimport triton.language as tl\n" + emitted(kernel))
+        spec = importlib.util.spec_from_file_location(f"emitted_{kernel.__name__}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    names = vars(module)
+    return sorted({i.argval for fn in names.values()
+                   if isinstance(fn, triton.runtime.jit.JITFunction)
+                   for i in dis.Bytecode(fn.fn) if i.opname == "LOAD_GLOBAL"}
+                  - set(names) - set(dir(__builtins__)))
+
+
+def report_inductor_sources() -> bool:
+    """Prints, for every Triton kernel, the names inductor_undefined finds; True if none."""
+    import importlib
+
+    clean = True
+    for name in TRITON_MODULES:
+        module = importlib.import_module(f"fusedtrain.kernels.{name}")
+        for attr in sorted(vars(module)):
+            if not attr.endswith("_kernel"):
+                continue
+            kernel = jit_function(getattr(module, attr))
+            if kernel.fn.__module__ != module.__name__:
+                continue
+            missing = inductor_undefined(kernel)
+            clean &= not missing
+            print(f"{name}.{attr}: {'undefined ' + ', '.join(missing) if missing else 'ok'}")
+    return clean
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--head-dim", type=int, default=128,
@@ -198,11 +250,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--grouped", action="store_true",
                    help="the attention's grouped key/value heads (the dk/dv kernel's loop)")
     p.add_argument("--varlen", action="store_true", help="the attention over a packed batch")
+    p.add_argument("--inductor-sources", action="store_true",
+                   help="instead: check that Inductor's re-emitted source of every Triton "
+                        "kernel defines all it reads (exit 1 if not)")
     p.add_argument("--kernels", nargs="+", choices=[*KERNELS, *WS_KERNELS],
                    default=[*KERNELS, *WS_KERNELS])
     p.add_argument("--bias-sums", action="store_true",
                    help="the dq kernel also sums the QKV bias gradient (ops.qkv_attention)")
     args = p.parse_args(argv)
+    if args.inductor_sources:
+        sys.exit(0 if report_inductor_sources() else 1)
     # Each kernel takes the ones it names: the attention's, then the GEMMs' epilogues as
     # the fused gpt2 step runs them (bias, h stored, tanh GELU, column sums, stream-K sums
     # added in place, q, k, v stored a head at a time when the head dim allows).

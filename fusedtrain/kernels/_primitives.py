@@ -5,8 +5,8 @@ Kernels here use Triton's builtins only, never triton.language's own @jit helper
 (tl.sum, tl.max, tl.zeros, tl.sigmoid, tl.cdiv, ...): when triton was imported
 before TRITON_INTERPRET was set (torch and lightning import it), those stay
 compiled-mode functions that the interpreter cannot call. The few we need are
-re-stated below on top of builtins (tl.reduce, tl.full, tl.exp); the reductions
-pass tl.sum's / tl.max's own combine functions to tl.reduce.
+re-stated below on top of builtins (tl.reduce, tl.full, tl.exp); under the
+interpreter the reductions pass tl.sum's / tl.max's own combine functions to tl.reduce.
 """
 
 from __future__ import annotations
@@ -25,30 +25,33 @@ def device_fn(fn):
     return jitted.rewrite() if INTERPRET else jitted
 
 
-@triton.jit
-def _add(a, b):
-    return a + b
+# Helpers the kernels call are bound to their own function's name: torch.compile's Inductor
+# re-emits a user kernel's helpers from their source under that name (a kernel registered
+# through torch.library.triton_op), so an alias such as `x = _other` would be undefined
+# there. Where the GPU and the interpreter take different forms, each mode defines it.
+if INTERPRET:
+    # tl.sum's and tl.max's own combine functions, which the interpreter recognises and
+    # reduces with numpy instead of element by element.
+    from triton.language.standard import _elementwise_max as _max_combine
+    from triton.language.standard import _sum_combine
+else:
+    @triton.jit
+    def _sum_combine(a, b):
+        return a + b
 
-
-@triton.jit
-def _maximum(a, b):
-    return tl.maximum(a, b)
-
-
-# The combine functions behind tl.sum / tl.max, when this Triton has them: the
-# interpreter recognises them and reduces with numpy instead of element by element.
-_SUM_COMBINE: tl.constexpr = getattr(tl.standard, "_sum_combine", _add)
-_MAX_COMBINE: tl.constexpr = getattr(tl.standard, "_elementwise_max", _maximum)
+    @triton.jit
+    def _max_combine(a, b):
+        return tl.maximum(a, b)
 
 
 @device_fn
 def row_sum(x, axis: tl.constexpr):
-    return tl.reduce(x, axis, _SUM_COMBINE)
+    return tl.reduce(x, axis, _sum_combine)
 
 
 @device_fn
 def row_max(x, axis: tl.constexpr):
-    return tl.reduce(x, axis, _MAX_COMBINE)
+    return tl.reduce(x, axis, _max_combine)
 
 
 @device_fn
@@ -77,37 +80,29 @@ def tanh_approx(x):
 
 
 
-@device_fn
-def _reciprocal_rcp(x):
-    """1 / x of fp32 x in one special-function-unit instruction (relative error 1 ulp;
-    an IEEE division is a rcp plus a Newton step, a check and a slow path)."""
-    return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [x],
-                                     dtype=tl.float32, is_pure=True, pack=1)
+if INTERPRET:
+    @device_fn
+    def reciprocal(x):
+        return 1.0 / x
 
+    @device_fn
+    def mul_rounded(a, b):  # the interpreter's numpy never fuses a product into an add
+        return a * b
+else:
+    @device_fn
+    def reciprocal(x):
+        """1 / x of fp32 x in one special-function-unit instruction (relative error 1
+        ulp; an IEEE division is a rcp plus a Newton step, a check and a slow path)."""
+        return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [x],
+                                         dtype=tl.float32, is_pure=True, pack=1)
 
-@device_fn
-def _reciprocal_div(x):
-    return 1.0 / x
-
-
-reciprocal = _reciprocal_div if INTERPRET else _reciprocal_rcp
-
-
-@device_fn
-def _mul_rn(a, b):
-    """a * b in fp32, rounded on its own: PTX's mul.rn is never contracted into an FMA
-    with a later addition, as a plain product may be, so the result is the bits that
-    multiplying in a separate pass (PyTorch's) stores."""
-    return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b],
-                                     dtype=tl.float32, is_pure=True, pack=1)
-
-
-@device_fn
-def _mul_plain(a, b):
-    return a * b
-
-
-mul_rounded = _mul_plain if INTERPRET else _mul_rn  # the interpreter's numpy never fuses
+    @device_fn
+    def mul_rounded(a, b):
+        """a * b in fp32, rounded on its own: PTX's mul.rn is never contracted into an FMA
+        with a later addition, as a plain product may be, so the result is the bits that
+        multiplying in a separate pass (PyTorch's) stores."""
+        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b],
+                                         dtype=tl.float32, is_pure=True, pack=1)
 
 
 @device_fn

@@ -156,20 +156,18 @@ def matrix_desc(ptr, rows, cols, row_stride, BLOCK_R: tl.constexpr, BLOCK_C: tl.
                                      block_shape=[BLOCK_R, BLOCK_C])
 
 
-@device_fn
-def _reduce_tile_tma(desc, offsets, val):
-    desc.atomic_add(offsets, val)
-
-
-@device_fn
-def _reduce_tile_emulated(desc, offsets, val):
-    desc.store(offsets, desc.load(offsets) + val)
-
-
 # reduce_tile(desc, offsets, val): desc's block at `offsets` += val. One TMA bulk reduction
 # (an fp32 add in L2) on the GPU; a load, add and store under the interpreter, which has no
-# descriptor reductions and runs programs one at a time.
-reduce_tile = _reduce_tile_emulated if INTERPRET else _reduce_tile_tma
+# descriptor reductions and runs programs one at a time. (One name in both modes: see
+# _primitives.)
+if INTERPRET:
+    @device_fn
+    def reduce_tile(desc, offsets, val):
+        desc.store(offsets, desc.load(offsets) + val)
+else:
+    @device_fn
+    def reduce_tile(desc, offsets, val):
+        desc.atomic_add(offsets, val)
 
 
 @device_fn
