@@ -81,23 +81,16 @@ def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
 def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                **kwargs):
     """transformers' attention interface: q (B, H, Tq, D), k, v (B, H, Tk, D) -> ((B, Tq, H,
-    D), None). Self-attention over a whole sequence runs ops.flash_attention; a decoding
-    step (Tq < Tk, keys from the cache) runs SDPA with the causal mask aligned to the
-    last key."""
+    D), None), through ops.flash_attention: over a whole sequence, or a decoding step
+    (Tq < Tk, keys from the cache) with the causal mask aligned to the last key."""
     if attention_mask is not None:
         raise ValueError("attention_mask with padding: the fused attention takes unpadded "
                          "batches (pass no attention_mask, or patch without 'attention')")
     if dropout:
         raise ValueError(f"attention dropout {dropout}: the fused attention has none")
-    T, S = query.shape[2], key.shape[2]
-    if T == S:
-        from fusedtrain import ops
+    from fusedtrain import ops
 
-        out = ops.flash_attention(query, key, value, causal=True, softmax_scale=scaling)
-    else:
-        visible = torch.ones(T, S, dtype=torch.bool, device=query.device).tril(S - T)
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=visible,
-                                             scale=scaling)
+    out = ops.flash_attention(query, key, value, causal=True, softmax_scale=scaling)
     return out.transpose(1, 2), None
 
 
