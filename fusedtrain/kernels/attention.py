@@ -1,14 +1,17 @@
 """Flash attention (FlashAttention-2 style): its design, the tiles and schedule both passes
-share, and the forward kernel with its launcher (the backward's are in attention_bwd.py).
+share, and the forward kernel with its launchers (the backward's are in attention_bwd.py).
 
-Shapes: q, k, v, o: (B, H, T, D), any strides; D <= 128, padded to BLOCK_D (the next
-power of two, at least 16). Softmax runs in base 2 with the scale folded in (qk_scale =
-softmax_scale * log2(e)), in fp32 (fp64 for fp64 inputs).
+Shapes: q, o: (B, H, T, D), k, v: (B, HK, S, D), H a multiple of HK (grouped heads: query
+head h reads key/value head h // (H // HK)), any strides; or a packed batch, q: (Nq, H, D),
+k, v: (Nk, HK, D) with cu_seqlens (VARLEN). D <= 256, padded to BLOCK_D (the next power of
+two, at least 16). Softmax runs in base 2 with the scale folded in (qk_scale =
+softmax_scale * log2(e); with a softcap, inside the tanh), in fp32 (fp64 for fp64 inputs).
 Loads: the tiles each loop iteration reads (K and V in the forward and dq loops, Q and dO
-in the dk/dv loop) come through TMA descriptors made on the device, one per (T, D) slice
-(rows past T and columns past D read as zero), where the operands allow it (16-bit on
-Hopper, unit stride in d, 16-byte aligned: _tma.tma_ok); masked pointer loads otherwise.
-H200, bf16: forward+backward 4-7% faster than with pointer loads, forward up to 12%.
+in the dk/dv loop) come through TMA descriptors made on the device, one per (rows, D)
+slice (rows past the sequence and columns past D read as zero), where the operands allow
+it (16-bit on Hopper, unit stride in d, 16-byte aligned: _tma.tma_ok); masked pointer
+loads otherwise. H200, bf16: forward+backward 4-7% faster than with pointer loads,
+forward up to 12%.
 
 forward    one program per (query block, batch*head): online softmax over key blocks,
            o = acc / l written once; saves lse2 = m + log2(l) per row (base-2 log-sum-exp).
@@ -17,14 +20,15 @@ backward   two kernels, neither using atomics:
                   computes delta = rowsum(dO * O) for its rows and stores it; on request
                   it also sums the gradients of biases added to q, k, v (see
                   attention_bwd.py);
-           dk/dv: one program per key block, looping over query blocks (reads delta:
-                  launched after dq).
-Causal: blocks entirely above the diagonal are skipped; only blocks that straddle the
-diagonal or the sequence end run the masked loop body, the rest run unmasked. Programs
-start longest first within groups of heads that share L2 (_schedule), so the short ones
-fill the GPU's tail.
-Fully masked rows (none occur in causal self-attention) produce zeros, not NaN.
-Block sizes: triton.autotune keyed on (T bucket, BLOCK_D, causal, TMA) and the dtypes.
+           dk/dv: one program per key block of a key/value head, looping over query
+                  blocks of each query head that reads it (reads delta: launched after dq).
+Masks (_bounds): query i of a sequence sees key j iff i + LO <= j <= i + HI, the causal
+mask and the window aligned to the bottom right. Blocks outside are skipped; only blocks
+cut by the mask or the sequence end run the masked loop body, the rest run unmasked.
+Programs start longest first within groups of heads that share L2 (_schedule), so the
+short ones fill the GPU's tail. Rows that see no key produce zeros, not NaN.
+Block sizes: triton.autotune keyed on (T and S buckets, BLOCK_D, the mask's kind, softcap,
+grouping, packing, TMA) and the dtypes.
 """
 
 from __future__ import annotations
