@@ -45,6 +45,7 @@ def test_every_block_in_head_groups(causal, monkeypatch):
     """Programs walk heads in groups (kernels.attention._schedule); with 5 heads in groups
     of 2, the last group is short, and each head has 3 query and 3 key blocks."""
     monkeypatch.setattr(attention_kernels, "_heads_per_group", lambda *_: 2)
+    monkeypatch.setattr(attention_kernels, "_ARGS", {})  # no group size kept from before
     q, k, v = _qkv(5, 1, 300, 16)
     check_against_oracle(lambda *a: ops.flash_attention(*a, causal),
                          lambda *a: eager.flash_attention(*a, causal), (q, k, v), 1e-12)

@@ -194,13 +194,12 @@ def ran_kernels(fn) -> list[str]:
     return [e.key[:120] for e in events[:3]]
 
 
-def _flex(mask_mod=None, score_mod=None, T: int = 0):
-    """Compiled FlexAttention with a block mask from mask_mod(b, h, q_idx, kv_idx) and/or a
-    score_mod(score, b, h, q_idx, kv_idx)."""
+def _flex(mask_mod, T: int, score_mod=None):
+    """Compiled FlexAttention over T tokens with the block mask of mask_mod(b, h, q_idx,
+    kv_idx) and an optional score_mod(score, b, h, q_idx, kv_idx)."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    block_mask = (create_block_mask(mask_mod, None, None, T, T, device="cuda")
-                  if mask_mod is not None else None)
+    block_mask = create_block_mask(mask_mod, None, None, T, T, device="cuda")
     flex = torch.compile(flex_attention)
 
     def run(q, k, v):
@@ -231,11 +230,11 @@ def bench_attention_features(rows: list[dict]) -> None:
 
     cases = [  # (name, B, Hq, Hkv, T, D, fused kwargs, peers)
         ("gqa", 4, 32, 8, 4096, 128, {}, {"sdpa_default": sdpa,
-                                          "flex": _flex(causal_mod, T=4096)}),
+                                          "flex": _flex(causal_mod, 4096)}),
         ("window", 2, 16, 16, 8192, 128, {"window": (window, 0)},
-         {"flex": _flex(sliding, T=8192)}),
+         {"flex": _flex(sliding, 8192)}),
         ("softcap", 4, 16, 16, 4096, 128, {"softcap": cap},
-         {"flex": _flex(causal_mod, softcapped, T=4096)}),
+         {"flex": _flex(causal_mod, 4096, softcapped)}),
         ("head_dim_256", 4, 16, 16, 4096, 256, {}, {"sdpa_default": sdpa}),
     ]
     for name, B, Hq, Hkv, T, D, kwargs, peers in cases:

@@ -87,7 +87,7 @@ def _for_head_dim(wide_heads: list[triton.Config]) -> Callable[..., bool]:
     return keep
 
 
-def _dkdv_fits(config: triton.Config, BLOCK_D: int, **constexprs) -> bool:
+def _dkdv_fits(config: triton.Config, BLOCK_D: int, **_) -> bool:
     """Whether a dk/dv config is worth timing: at D=128, 128 keys over 4 warps hold two
     128 x 128 fp32 accumulators in 128 threads and spill (H200: 2.2-7x the best config at
     every benchmark and test shape, where they are among the best at D=64)."""
@@ -367,6 +367,11 @@ def mask_kind(causal: bool, window: tuple[int, int]) -> int:
     return 2 if window[0] >= 0 or (window[1] >= 0 and not causal) else int(causal)
 
 
+# kernel_args' results by (dims, causal, window, scale, softcap, device, dtype): the forward
+# and backward of one call signature share them, and a training step repeats its signatures.
+_ARGS: dict[tuple, tuple] = {}
+
+
 def kernel_args(q: torch.Tensor, dims: tuple[int, int, int, int, int, int], causal: bool,
                 window: tuple[int, int], softmax_scale: float, softcap: float) -> tuple:
     """The arguments the three kernels share after their pointers: (qk_scale, cap_in,
@@ -374,14 +379,19 @@ def kernel_args(q: torch.Tensor, dims: tuple[int, int, int, int, int, int], caus
     (B, H, HK, T, S, D) (T, S: a packed batch's longest sequences). The window's right
     side is 0 under a causal mask; with a softcap the scale moves into the tanh's argument
     (see softcapped) and qk_scale is 1."""
-    B, H, HK, T, S, D = dims
-    if softcap > 0:
-        scales = (1.0, softmax_scale / softcap, softcap * LOG2E)
-    else:
-        scales = (softmax_scale * LOG2E, 0.0, 0.0)
-    return (*scales, H, H // HK, T, S, D, window[0], 0 if causal else window[1],
+    key = (dims, causal, window, softmax_scale, softcap, q.device, q.dtype)
+    args = _ARGS.get(key)
+    if args is None:
+        B, H, HK, T, S, D = dims
+        if softcap > 0:
+            scales = (1.0, softmax_scale / softcap, softcap * LOG2E)
+        else:
+            scales = (softmax_scale * LOG2E, 0.0, 0.0)
+        args = _ARGS[key] = (
+            *scales, H, H // HK, T, S, D, window[0], 0 if causal else window[1],
             mask_kind(causal, window), next_pow2(T), next_pow2(S), B * H,
             min(B * H, _heads_per_group(q, causal, T)))
+    return args
 
 
 def dense_dims(q: torch.Tensor, k: torch.Tensor) -> tuple[int, int, int, int, int, int]:
@@ -438,6 +448,8 @@ def packed_strides(t: torch.Tensor) -> tuple[int, int, int, int]:
 
 def _launch_fwd(q, k, v, o, lse, cu_seqlens, dims, q_strides, k_strides, v_strides,
                 o_strides, causal, softmax_scale, window, softcap) -> None:
+    """The forward kernel over dense (cu_seqlens None) or packed tensors, their strides as
+    (batch, head, row, d)."""
     B, H = dims[:2]
     varlen = cu_seqlens is not None
     cu_q, cu_k = cu_seqlens if varlen else (lse, lse)  # not read without VARLEN

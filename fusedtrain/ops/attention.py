@@ -202,6 +202,28 @@ def checked_softcap(softcap) -> float:
     return cap
 
 
+def _checked_args(q: Tensor, k: Tensor, v: Tensor, ndim: int, softmax_scale, window, softcap
+                  ) -> tuple[Tensor, Tensor, Tensor, float, tuple[int, int], float]:
+    """Both attention ops' checks, errors naming the argument: q, k, v of rank ndim (4: (B,
+    H, T, D); 3: packed (N, H, D)), k and v of one shape with q's head dim (and batch),
+    q's heads a multiple of theirs; the scale, window and softcap (checked_*). Returns q,
+    k, v after autocast's casts (one device and dtype) and the checked scalars."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(name, t, ndim=ndim)
+    if k.shape != v.shape or k.shape[-1] != q.shape[-1] or (ndim == 4 and k.shape[0] != q.shape[0]):
+        form = "(B, Hkv, S, D) with q's B and D" if ndim == 4 else "(Nk, Hkv, D) with q's D"
+        raise ValueError(f"k and v must have one shape {form}; got q {tuple(q.shape)}, k "
+                         f"{tuple(k.shape)}, v {tuple(v.shape)}")
+    Hq, Hkv = q.shape[1], k.shape[1]
+    if Hkv == 0 or Hq % Hkv:
+        raise ValueError(f"q's heads (Hq={Hq}) must be a multiple of k's and v's (Hkv={Hkv})")
+    scale = checked_scale(q.shape[-1], softmax_scale)
+    window, softcap = checked_window(window), checked_softcap(softcap)
+    q, k, v = autocast_cast(q, k, v)
+    check_same("q", q, k=k, v=v)
+    return q, k, v, scale, window, softcap
+
+
 def flash_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True,
                     softmax_scale: float | None = None, window: tuple[int, int] | None = None,
                     softcap: float | None = None) -> Tensor:
@@ -217,19 +239,7 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True,
     -> o: (B, Hq, T, D), stored as (B, T, Hq, D) so that merging the heads back,
     o.transpose(1, 2).reshape(B, T, Hq * D), is a view.
     """
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        check_tensor(name, t, ndim=4)
-    B, Hq, T, D = q.shape
-    if k.shape != v.shape or k.shape[0] != B or k.shape[3] != D:
-        raise ValueError(f"k and v must have one shape (B, Hkv, S, D) with q's B and D; got q "
-                         f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    if k.shape[1] == 0 or Hq % k.shape[1]:
-        raise ValueError(f"q's heads (Hq={Hq}) must be a multiple of k's and v's "
-                         f"(Hkv={k.shape[1]})")
-    scale = checked_scale(D, softmax_scale)
-    window, softcap = checked_window(window), checked_softcap(softcap)
-    q, k, v = autocast_cast(q, k, v)
-    check_same("q", q, k=k, v=v)
+    q, k, v, scale, window, softcap = _checked_args(q, k, v, 4, softmax_scale, window, softcap)
     if q.numel() == 0 or k.shape[2] == 0:  # no rows, or no key to see: zeros
         return q.new_zeros(q.shape)
     return _apply_flash_attention(q, k, v, bool(causal), scale, window, softcap)
@@ -291,22 +301,11 @@ def flash_attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     The cu_seqlens rules are checked on their values: one device-to-host read a call
     (none under torch.compile or while a CUDA graph is captured).
     """
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        check_tensor(name, t, ndim=3)
-    Nq, Hq, D = q.shape
-    if k.shape != v.shape or k.shape[2] != D:
-        raise ValueError(f"k and v must have one shape (Nk, Hkv, D) with q's D; got q "
-                         f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    if k.shape[1] == 0 or Hq % k.shape[1]:
-        raise ValueError(f"q's heads (Hq={Hq}) must be a multiple of k's and v's "
-                         f"(Hkv={k.shape[1]})")
     for name, n in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if not isinstance(n, int) or isinstance(n, bool) or n < 0:
             raise ValueError(f"{name} must be a non-negative int, got {n!r}")
-    scale = checked_scale(D, softmax_scale)
-    window, softcap = checked_window(window), checked_softcap(softcap)
-    q, k, v = autocast_cast(q, k, v)
-    check_same("q", q, k=k, v=v)
+    q, k, v, scale, window, softcap = _checked_args(q, k, v, 3, softmax_scale, window, softcap)
+    Nq = q.shape[0]
     bad = [_check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, Nq, max_seqlen_q, q),
            _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, q)]
     if cu_seqlens_q.shape != cu_seqlens_k.shape:
