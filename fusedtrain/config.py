@@ -121,6 +121,10 @@ def build_run_config(cfg: DictConfig) -> RunConfig:
     _check_trainer(trainer)
     cuda_graph = _flag(c, "cuda_graph")
     compile = _compile_setting(c.get("compile", False))
+    if cuda_graph and data.pack:
+        raise ConfigError("cuda_graph=true replays one fixed set of shapes, and with "
+                          "data.pack=true each batch's cu_seqlens has its own length (one "
+                          "entry per document); train packed rows without cuda_graph")
     if cuda_graph:
         _check_cuda_graph(trainer, compile)
     if trainer.get("strategy") == "fsdp" and (trainer.get("accelerator") == "cpu"

@@ -5,10 +5,15 @@ Sources (`data.source`):
   text       local text files (`data.files`)
   hub        a Hugging Face hub dataset (`data.name`), when the machine is online
   synthetic  uniform random tokens, for throughput runs
+
+With `data.pack=true` each window also carries its documents (each ends with the
+tokenizer's end-of-document token): cu_seqlens over the batch's flattened tokens, and
+the targets that would predict the next document's first token are ignored.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -52,6 +57,7 @@ class DataConfig:
     num_proc: int | None = None  # processes for tokenizing; None = min(4, cpus)
     cache_dir: str = "~/.cache/fusedtrain"
     allow_binary: bool = False  # take text files that look binary (NUL bytes, >1% undecodable)
+    pack: bool = False  # windows carry their document boundaries (PackedWindows)
 
     def __post_init__(self) -> None:
         if self.source not in SOURCES:
@@ -66,6 +72,9 @@ class DataConfig:
             raise ValueError("data.source=text needs data.files=[path, ...]")
         if self.source == "hub" and not self.name:
             raise ValueError("data.source=hub needs data.name=<dataset on the hub>")
+        if self.pack and self.source == "synthetic":
+            raise ValueError("data.pack=true needs documents, and data.source=synthetic has "
+                             "none (use stdlib, text or hub)")
         if self.max_files is not None and self.max_files <= 0:
             raise ValueError(f"data.max_files must be positive, got {self.max_files}")
         if self.source == "text":
@@ -291,6 +300,39 @@ class RandomWindows(Dataset):
         return w[:-1], w[1:]
 
 
+IGNORE_INDEX = -100  # a target the loss leaves out (the cross-entropy ops' default)
+
+
+class PackedWindows(RandomWindows):
+    """RandomWindows whose samples also mark where documents start: sample i ->
+    (x, y, starts), x, y: (T,) as RandomWindows', starts: (T,) bool, true at 0 and after
+    each end-of-document token `eot` in x. y is IGNORE_INDEX where x holds `eot`: the
+    first token of the next document is not predicted from the one before it. The first
+    document of a window is usually the tail of one that began before it."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, seed: int, length: int, eot: int):
+        super().__init__(tokens, seq_len, seed, length)
+        self.eot = eot
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        x, y = super().__getitem__(i)
+        ends = x == self.eot
+        starts = torch.ones_like(ends)
+        starts[1:] = ends[:-1]
+        return x, y.masked_fill(ends, IGNORE_INDEX), starts
+
+
+def pack_collate(samples: list[tuple[torch.Tensor, ...]]
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """PackedWindows' samples -> (x, y: (B, T), cu_seqlens): int32 (n + 1,), the first
+    token of each of the batch's n documents in its B * T flattened tokens, then B * T;
+    every row starts a document, so none crosses a row."""
+    x, y, starts = (torch.stack(column) for column in zip(*samples))
+    first = torch.nonzero(starts.reshape(-1)).reshape(-1)
+    cu_seqlens = torch.cat([first, first.new_tensor([starts.numel()])]).to(torch.int32)
+    return x, y, cu_seqlens
+
+
 class SkipSampler(torch.utils.data.Sampler):
     """Indices start + rank, start + rank + world, ... of one global sample stream.
 
@@ -319,6 +361,7 @@ class TokenDataModule(L.LightningDataModule):
         self.resumed_at = (0, 0)  # (sample, step) of the checkpoint resumed from
         self.train_set: RandomWindows | None = None
         self.val_set: RandomWindows | None = None
+        self._collate = pack_collate if cfg.pack else None
 
     def _ranks(self) -> tuple[int, int]:
         t = self.trainer
@@ -368,19 +411,27 @@ class TokenDataModule(L.LightningDataModule):
         tokens = load_tokens(self.cfg, self.vocab_size, self.seed)
         self.check_size()
         n_val = self._val_tokens(len(tokens))
-        self.train_set = RandomWindows(tokens[:-n_val], self.seq_len, self.seed,
-                                       self.max_steps * self.cfg.batch_size * self._ranks()[1])
-        self.val_set = RandomWindows(tokens[-n_val:], self.seq_len, self.seed + 1,
-                                     self.cfg.val_batches * self.cfg.batch_size)
+        windows = RandomWindows
+        if self.cfg.pack:
+            eot = make_tokenizer(self.cfg).eot
+            windows = functools.partial(PackedWindows, eot=eot)
+            log.info("data.pack=true: rows of %d tokens with their documents (each ending "
+                     "with token %d); attention, positions and the loss restart at each",
+                     self.seq_len, eot)
+        self.train_set = windows(tokens[:-n_val], self.seq_len, self.seed,
+                                 self.max_steps * self.cfg.batch_size * self._ranks()[1])
+        self.val_set = windows(tokens[-n_val:], self.seq_len, self.seed + 1,
+                               self.cfg.val_batches * self.cfg.batch_size)
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(
             self.train_set, batch_size=self.cfg.batch_size,
             sampler=SkipSampler(len(self.train_set), self.position, *self._ranks()),
             num_workers=self.cfg.num_workers, pin_memory=torch.cuda.is_available(),
-            drop_last=True,
+            drop_last=True, collate_fn=self._collate,
         )
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_set, batch_size=self.cfg.batch_size,
-                          num_workers=self.cfg.num_workers, drop_last=True)
+                          num_workers=self.cfg.num_workers, drop_last=True,
+                          collate_fn=self._collate)

@@ -1,7 +1,8 @@
 """Unfused PyTorch twins of every fused op: the eager path and the test oracle.
 
 Each function has the same name, signature and semantics as its counterpart in
-`fusedtrain.ops`. Nothing here imports from the rest of the package.
+`fusedtrain.ops`; masked_attention, their math with any mask, is the packed model's eager
+attention. Nothing here imports from the rest of the package.
 """
 
 from __future__ import annotations
@@ -18,10 +19,12 @@ def embedding(idx: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def gpt_embedding(idx: torch.Tensor, token_weight: torch.Tensor,
-                  position_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(token_weight[idx] + position_weight[0..T-1], token_weight) (ops.gpt_embedding's twin:
-    nanoGPT's input embedding, and the table its tied head reads)."""
-    pos = torch.arange(idx.shape[-1], device=idx.device)
+                  position_weight: torch.Tensor, *, positions: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token_weight[idx] + position_weight[positions], token_weight), positions 0..T-1
+    along each row unless given (ops.gpt_embedding's twin: nanoGPT's input embedding, and
+    the table its tied head reads)."""
+    pos = torch.arange(idx.shape[-1], device=idx.device) if positions is None else positions
     return F.embedding(idx, token_weight) + F.embedding(pos, position_weight), token_weight
 
 
@@ -99,6 +102,16 @@ def flash_attention(
     c * tanh(scores / c). The (T, S) matrix is materialised; the softmax runs in at least
     fp32. Rows that see no key give zeros.
     """
+    seen = attention_mask(q.shape[-2], k.shape[-2], causal, window, q.device)
+    return masked_attention(q, k, v, seen, softmax_scale, softcap)
+
+
+def masked_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seen: torch.Tensor | None,
+    softmax_scale: float | None = None, softcap: float | None = None,
+) -> torch.Tensor:
+    """flash_attention's math with the mask given: seen, bool, broadcast to (B, Hq, T, S),
+    which keys each query sees (None: all); e.g. documents.Documents.seen."""
     group = q.shape[1] // k.shape[1]
     if group > 1:
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
@@ -106,7 +119,6 @@ def flash_attention(
     scores = torch.matmul(q, k.transpose(-2, -1)) * scale
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
-    seen = attention_mask(q.shape[-2], k.shape[-2], causal, window, q.device)
     if seen is not None:
         # Rows that see nothing keep finite scores (a softmax of -inf alone is NaN, also
         # in its gradient) and get zero probabilities after it.

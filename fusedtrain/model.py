@@ -1,4 +1,5 @@
-"""GPT-2 shaped language model: learned positions, pre-LN blocks, tied head."""
+"""GPT-2 shaped language model: learned positions, pre-LN blocks, tied head; optionally
+packed rows of documents (cu_seqlens) that attend only to themselves."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch.nn.functional as F
 
 from fusedtrain import eager
 from fusedtrain.casts import grouped_casts
+from fusedtrain.documents import Documents, documents
 from fusedtrain.modules import MLP, CausalSelfAttention, ResidualLayerNorm
 
 KERNEL_FAMILIES = ("mlp", "qkv", "attention", "layernorm", "cross_entropy", "embedding")
@@ -105,17 +107,19 @@ class Block(nn.Module):
 
     def forward(
         self, stream: torch.Tensor, delta: torch.Tensor | None = None,
-        delta_bias: torch.Tensor | None = None,
+        delta_bias: torch.Tensor | None = None, docs: Documents | None = None,
     ) -> tuple[torch.Tensor, ...]:
         """stream, delta: (B, T, C); delta_bias: (C,) -> (stream, delta), or with
         biases_in_ln (stream, delta, delta_bias): the MLP's output without its bias, and
-        the bias for the next LayerNorm to add."""
+        the bias for the next LayerNorm to add. docs: packed rows' documents, each
+        attending only to itself."""
         with grouped_casts(*self._cast_params):
             h, stream = self.ln_1(stream, delta, delta_bias)
             if not self.biases_in_ln:
-                h, stream = self.ln_2(stream, self.drop(self.attn(h)))
+                h, stream = self.ln_2(stream, self.drop(self.attn(h, docs=docs)))
                 return stream, self.drop(self.mlp(h))
-            h, stream = self.ln_2(stream, self.attn(h, out_bias=False), self.attn.c_proj.bias)
+            h, stream = self.ln_2(stream, self.attn(h, out_bias=False, docs=docs),
+                                  self.attn.c_proj.bias)
             return stream, self.mlp(h, out_bias=False), self.mlp.c_proj.bias.clone()
 
 
@@ -152,25 +156,29 @@ class GPT(nn.Module):
         """idx: (B, T) token ids -> the residual stream (B, T, C)."""
         return self._embed(idx)[0]
 
-    def _embed(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _embed(self, idx: torch.Tensor, docs: Documents | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
         """idx: (B, T) -> (the residual stream (B, T, C), the tied head's weight): with the
         fused embedding the token table as ops.gpt_embedding returns it, so that the head's
-        gradient for it and the embedding's meet in that op's backward."""
+        gradient for it and the embedding's meet in that op's backward. With docs the
+        positions restart at each document."""
         T = idx.shape[1]
         if self.config.block_size < T:
             raise ValueError(
                 f"sequence length {T} exceeds model.block_size {self.config.block_size}"
             )
         tr = self.transformer
+        positions = None if docs is None else docs.positions
         if self.config.kernels["embedding"]:
             from fusedtrain import ops
 
             # In place: the head (ops.linear or ops.linear_cross_entropy) hands its
             # weight's gradient over fresh.
             x, head_weight = ops.gpt_embedding(idx, tr.wte.weight, tr.wpe.weight,
-                                               inplace_backward=True)
+                                               inplace_backward=True, positions=positions)
         else:
-            x, head_weight = eager.gpt_embedding(idx, tr.wte.weight, tr.wpe.weight)
+            x, head_weight = eager.gpt_embedding(idx, tr.wte.weight, tr.wpe.weight,
+                                                 positions=positions)
         return tr.drop(x), head_weight
 
     def _head_input(self, stream: torch.Tensor, delta: torch.Tensor | None = None,
@@ -207,14 +215,20 @@ class GPT(nn.Module):
                                             targets)
         return eager.cross_entropy(self.logits(*last, head_weight=head_weight), targets)
 
-    def _trunk(self, idx: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    def _trunk(self, idx: torch.Tensor, cu_seqlens: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         """(the tied head's weight, the last block's output (stream, delta[, delta_bias]),
         see Block.forward)."""
-        x, head_weight = self._embed(idx)
+        docs = None
+        if cu_seqlens is not None:
+            c = self.config
+            docs = documents(cu_seqlens, *idx.shape, c.attention_window,
+                             eager=not c.kernels["attention"])
+        x, head_weight = self._embed(idx, docs)
         out = (x,)
         with grouped_casts(*self._cast_params_of_all_blocks()):
             for block in self.transformer.h:
-                out = block(*out)
+                out = block(*out, docs=docs)
         return head_weight, out
 
     def _cast_params_of_all_blocks(self) -> list[torch.Tensor]:
@@ -229,14 +243,20 @@ class GPT(nn.Module):
             return []
         return [p for b in blocks for p in b._cast_params]
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """idx: (B, T) token ids -> logits: (B, T, vocab_size)."""
-        head_weight, last = self._trunk(idx)
+    def forward(self, idx: torch.Tensor, cu_seqlens: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """idx: (B, T) token ids -> logits: (B, T, vocab_size). cu_seqlens: packed rows'
+        documents, int32 (n + 1,), the first token of each in idx's B * T flattened tokens,
+        then B * T (data.pack_collate's; see documents.documents): attention and positions
+        restart at each document and at each row."""
+        head_weight, last = self._trunk(idx, cu_seqlens)
         return self.logits(*last, head_weight=head_weight)
 
-    def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross-entropy.  idx, targets: (B, T)."""
-        head_weight, last = self._trunk(idx)
+    def loss(self, idx: torch.Tensor, targets: torch.Tensor,
+             cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        """Mean next-token cross-entropy over the targets other than -100.  idx, targets:
+        (B, T); cu_seqlens as forward's."""
+        head_weight, last = self._trunk(idx, cu_seqlens)
         return self.head_loss(targets, *last, head_weight=head_weight)
 
     @classmethod

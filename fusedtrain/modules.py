@@ -11,6 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fusedtrain import eager
+from fusedtrain.documents import Documents
 
 
 def _fused_ops():
@@ -84,6 +85,9 @@ class CausalSelfAttention(nn.Module):
     (T, T) matrix in memory) or "sdpa" (PyTorch's scaled_dot_product_attention).
     Both fused with n_kv_head == n_head: one op (`ops.qkv_attention`), whose attention
     backward also sums the projection's bias gradient.
+    With `docs` (packed rows, documents.Documents) no token sees another document's:
+    fused, `ops.flash_attention_varlen` over the batch's flattened tokens; else the
+    eager attention with docs.seen as its mask.
     """
 
     def __init__(
@@ -103,18 +107,21 @@ class CausalSelfAttention(nn.Module):
         self.eager_attention = eager_attention
         self.window = None if window is None else (window, 0)
 
-    def forward(self, x: torch.Tensor, out_bias: bool = True) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out_bias: bool = True, docs: Documents | None = None
+                ) -> torch.Tensor:
         """out_bias=False leaves c_proj's bias out, for the caller to add (the fused
         add_layer_norm adds it, and its backward sums its gradient from the pass it makes
         anyway)."""
         B, T, C = x.shape
         w, b = self.c_attn.weight, self.c_attn.bias
-        if self.fused_qkv and self.fused_attention and self.n_kv_head == self.n_head:
+        if docs is not None:
+            y = self._document_attention(x, w, b, docs)
+        elif self.fused_qkv and self.fused_attention and self.n_kv_head == self.n_head:
             # the bias gradient from the attention
             y = _fused_ops().qkv_attention(x, w, b, self.n_head, causal=True, window=self.window)
+            y = y.transpose(1, 2).reshape(B, T, C)
         else:
-            y = self._attention(x, w, b)
-        y = y.transpose(1, 2).reshape(B, T, C)
+            y = self._attention(x, w, b).transpose(1, 2).reshape(B, T, C)
         bias = self.c_proj.bias if out_bias else None
         if self.fused_qkv:  # the projections' family: casts grouped, bias gradient fused
             return _fused_ops().linear(y, self.c_proj.weight, bias)
@@ -127,22 +134,51 @@ class CausalSelfAttention(nn.Module):
             project = (_fused_ops().qkv_projection if self.fused_qkv
                        else eager.qkv_projection_packed)
             return project(x, w, b, self.n_head)
+        return tuple(t.transpose(1, 2) for t in self._project_tokens(x, w, b))
+
+    def _project_tokens(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None
+                        ) -> tuple[torch.Tensor, ...]:
+        """x (B, T, C) -> q (B, T, n_head, D), k, v (B, T, n_kv_head, D): views of one
+        linear's output."""
         B, T, C = x.shape
         D = C // self.n_head
         y = (_fused_ops().linear if self.fused_qkv else F.linear)(x, w, b)
         parts = y.split([self.n_head * D, self.n_kv_head * D, self.n_kv_head * D], dim=-1)
-        return tuple(t.view(B, T, -1, D).transpose(1, 2) for t in parts)
+        return tuple(t.view(B, T, -1, D) for t in parts)
 
     def _attention(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
         """The projection and attention as separate ops: x (B, T, C) -> (B, H, T, D)."""
         q, k, v = self._project(x, w, b)
         if self.fused_attention:
             return _fused_ops().flash_attention(q, k, v, causal=True, window=self.window)
+        seen = (None if self.window is None
+                else eager.attention_mask(q.shape[2], k.shape[2], True, self.window, q.device))
+        return self._eager_attention(q, k, v, seen)
+
+    def _eager_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         seen: torch.Tensor | None) -> torch.Tensor:
+        """q (B, H, T, D), k, v (B, HK, T, D), seen: which keys each query sees, (T, T) or
+        (B, 1, T, T), None for the plain causal mask -> (B, H, T, D)."""
         if self.eager_attention == "sdpa":
             grouped = self.n_kv_head != self.n_head
-            if self.window is None:
+            if seen is None:
                 return F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                                       enable_gqa=grouped)
-            seen = eager.attention_mask(q.shape[2], k.shape[2], True, self.window, q.device)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=seen, enable_gqa=grouped)
-        return eager.flash_attention(q, k, v, causal=True, window=self.window)
+        if seen is None:
+            return eager.flash_attention(q, k, v, causal=True)
+        return eager.masked_attention(q, k, v, seen)
+
+    def _document_attention(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
+                            docs: Documents) -> torch.Tensor:
+        """x (B, T, C) -> each document's attention on its own: (B, T, C)."""
+        B, T, C = x.shape
+        q, k, v = self._project_tokens(x, w, b)
+        if self.fused_attention:
+            cu = docs.cu_seqlens
+            o = _fused_ops().flash_attention_varlen(
+                *(t.reshape(B * T, t.shape[2], t.shape[3]) for t in (q, k, v)), cu, cu, T, T,
+                causal=True, window=self.window)
+            return o.view(B, T, C)
+        o = self._eager_attention(*(t.transpose(1, 2) for t in (q, k, v)), docs.seen)
+        return o.transpose(1, 2).reshape(B, T, C)

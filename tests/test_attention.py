@@ -433,6 +433,26 @@ def test_varlen_bad_inputs():
         ops.flash_attention_varlen(q[None], k, v, **good)
 
 
+def test_varlen_reads_a_cu_seqlens_pair_once_until_it_is_written(monkeypatch):
+    """A model's layers pass one batch's cu_seqlens: its values are read from the device
+    once; after an in-place write (or for other sizes) they are checked again."""
+    q, k, v, cu, _ = _packed([3, 4], [3, 4], 2, 2, 16)
+    q, k, v = q.detach(), k.detach(), v.detach()
+    reads = []
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(1) or tolist(t))
+    for _ in range(3):
+        ops.flash_attention_varlen(q, k, v, cu, cu, 4, 4)
+    assert len(reads) == 1
+    ops.flash_attention_varlen(q, k, v, cu, cu, 5, 5)  # other sizes: checked again
+    assert len(reads) == 2
+    cu[1] = 9  # past the end: a write the next call must see
+    with pytest.raises(ValueError, match="cu_seqlens_q"):
+        ops.flash_attention_varlen(q, k, v, cu, cu, 4, 4)
+    with pytest.raises(ValueError, match="cu_seqlens_q"):  # a failed check marks nothing
+        ops.flash_attention_varlen(q, k, v, cu, cu, 4, 4)
+
+
 @pytest.mark.gpu
 def test_gpu_bf16_varlen_accuracy_and_determinism():
     """Lengths 0 and 1 beside long ones (the benchmark's tile choice: the same buckets)."""

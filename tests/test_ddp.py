@@ -23,11 +23,13 @@ def _train(run_dir, tmp_path, *overrides):
 
 
 @pytest.mark.slow
-def test_ddp_on_two_cpu_processes_matches_one_process_on_the_global_batch(tmp_path):
+@pytest.mark.parametrize("pack", [False, True])
+def test_ddp_on_two_cpu_processes_matches_one_process_on_the_global_batch(tmp_path, pack):
+    packing = f"data.pack={str(pack).lower()}"
     r, ddp = _train(tmp_path / "ddp", tmp_path, "trainer=ddp", "trainer.accelerator=cpu",
-                    "trainer.devices=2", "data.batch_size=2")
+                    "trainer.devices=2", "data.batch_size=2", packing)
     assert "GLOBAL_RANK: 1" in r.stderr + r.stdout  # both ranks ran
-    _, single = _train(tmp_path / "single", tmp_path, "data.batch_size=4")
+    _, single = _train(tmp_path / "single", tmp_path, "data.batch_size=4", packing)
     assert len(ddp) == len(single) == 3
     for a, b in zip(ddp, single):
         assert abs(a - b) < 1e-4, (ddp, single)

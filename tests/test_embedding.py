@@ -124,6 +124,42 @@ def test_gpt_embedding_matches_the_twin_at_odd_shapes(deterministic, head, inpla
     torch.testing.assert_close(gp, gp_ref, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_gpt_embedding_at_given_positions(deterministic):
+    """Positions given (packed documents restarting at 0): the twin's values and gradients,
+    in place into the head's gradient too, gradcheck, and NaN rows with no position
+    gradient for a position outside the table."""
+    tw, pw = _gpt_inputs()
+    idx = torch.tensor([[0, 3, 3, 12, 5, 7], [6, 3, 0, 0, 1, 2]])
+    positions = torch.tensor([[0, 1, 2, 0, 1, 0], [3, 4, 5, 6, 0, 1]])
+    assert gradcheck(lambda a, b: ops.gpt_embedding(idx, a, b, positions=positions)[0],
+                     (tw, pw))
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        results = []
+        for fn in (lambda *a: ops.gpt_embedding(*a, inplace_backward=True, positions=positions),
+                   lambda *a: eager.gpt_embedding(*a, positions=positions)):
+            tw.grad = pw.grad = None
+            x, logits = _embed_and_head(fn, idx, tw, pw)
+            (x.square().sum() + logits.sin().sum()).backward()
+            results.append((x, tw.grad, pw.grad))
+    finally:
+        torch.use_deterministic_algorithms(False)
+    for a, r in zip(*results):
+        torch.testing.assert_close(a, r)
+    outside = torch.tensor([[0, 9, -1, 8, 1, 1], [0, 1, 2, 3, 4, 5]])  # 9 and -1 of 9 rows
+    x, _ = ops.gpt_embedding(idx, tw, pw, positions=outside)
+    assert x[0, 1].isnan().all() and x[0, 2].isnan().all() and not x[0, 3].isnan().any()
+    pw.grad = None
+    x.nan_to_num(0.0).sum().backward()
+    torch.testing.assert_close(pw.grad[:, 0], torch.tensor([2, 3, 1, 1, 1, 1, 0, 0, 1.0],
+                                                           dtype=F64))
+    with pytest.raises(ValueError, match="positions"):
+        ops.gpt_embedding(idx, tw, pw, positions=positions[:, :3])
+    with pytest.raises(TypeError, match="positions"):
+        ops.gpt_embedding(idx, tw, pw, positions=positions.double())
+
+
 def test_gpt_embedding_compile_fullgraph_matches_eager():
     idx = torch.tensor([[1, 2, 1], [0, 12, 5]])
     tw, pw = _gpt_inputs(dtype=torch.float32)

@@ -80,6 +80,18 @@ def test_opcheck(name, first_calls):
     torch.library.opcheck(func, args, kwargs)
 
 
+def test_opcheck_gpt_embedding_at_given_positions():
+    """The input embedding's launchers with packed documents' positions (first_calls
+    records them without)."""
+    idx, positions = torch.tensor([[1, 4, 1]]), torch.tensor([[0, 0, 1]])
+    tw, pw, dx = (torch.randn(*s, dtype=F64) for s in ((6, 12), (4, 12), (1, 3, 12)))
+    emb = torch.ops.fusedtrain
+    torch.library.opcheck(emb.gpt_embedding_fwd.default, (idx, tw, pw, positions))
+    torch.library.opcheck(emb.gpt_embedding_bwd.default, (idx, dx, None, 6, 4, positions))
+    torch.library.opcheck(emb.gpt_embedding_bwd_into.default,
+                          (idx, dx, torch.zeros(6, 12, dtype=F64), 4, positions))
+
+
 @pytest.mark.skipif(shutil.which("g++") is None, reason="inductor on CPU needs a C++ compiler")
 def test_inductor_never_formats_an_op_for_an_implicit_fallback(monkeypatch):
     """After register_inductor_fallbacks every fusedtrain:: op has a lowering, so Inductor

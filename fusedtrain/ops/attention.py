@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 from torch.utils.flop_counter import register_flop_formula
@@ -268,10 +269,9 @@ class FlashAttentionVarlenFunction(torch.autograd.Function):
 _apply_flash_attention_varlen = function_apply(FlashAttentionVarlenFunction)
 
 
-def _check_cu_seqlens(name: str, cu: Tensor, rows: int, max_seqlen: int, ref: Tensor) -> Tensor:
-    """cu_seqlens as documented (int32, 1-D, on ref's device, starting at 0, non-decreasing,
-    ending at `rows`, no sequence past max_seqlen): ValueError or TypeError naming it.
-    Returns a flag tensor, true where a value breaks the rules, read once for both."""
+def _check_cu_seqlens(name: str, cu: Tensor, ref: Tensor) -> None:
+    """cu_seqlens' form as documented (an int32 1-D tensor on ref's device): ValueError or
+    TypeError naming it."""
     if not isinstance(cu, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
     if cu.dtype != torch.int32:
@@ -279,9 +279,28 @@ def _check_cu_seqlens(name: str, cu: Tensor, rows: int, max_seqlen: int, ref: Te
     if cu.dim() != 1 or cu.shape[0] < 1:
         raise ValueError(f"{name} must be 1-D of batch + 1 entries, got shape {tuple(cu.shape)}")
     check_same("q", ref, same_dtype=False, **{name: cu})
+
+
+def _breaks_rules(cu: Tensor, rows: int, max_seqlen: int) -> Tensor:
+    """A flag tensor, true where cu_seqlens' values break the rules (start at 0,
+    non-decreasing, end at `rows`, no sequence past max_seqlen)."""
     lengths = cu.diff()
     return ((cu[0] != 0) | (cu[-1] != rows) | (lengths < 0).any()
             | (lengths > max_seqlen).any())
+
+
+def _value_check_mark(cu_q: Tensor, cu_k: Tensor, sizes: tuple[int, ...]) -> tuple:
+    """What a passed value check of this cu_seqlens pair records on cu_q, beside a weak
+    reference to cu_k: their versions (bumped by any write) and the sizes checked."""
+    return cu_k._version, cu_q._version, sizes
+
+
+def _passed_before(cu_q: Tensor, cu_k: Tensor, sizes: tuple[int, ...]) -> bool:
+    """Whether this pair passed the value check for these sizes and neither was written
+    since: a model's layers pass one batch's cu_seqlens each, read once for all."""
+    seen = getattr(cu_q, "_fusedtrain_checked", None)
+    return (seen is not None and seen[0]() is cu_k
+            and seen[1:] == _value_check_mark(cu_q, cu_k, sizes))
 
 
 def flash_attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
@@ -298,27 +317,35 @@ def flash_attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     sequence longer than max_seqlen_*. Sequences of length 0 and 1 are allowed. causal,
     softmax_scale, window and softcap as flash_attention's, per sequence (masks aligned to
     each sequence's bottom right). -> o: (Nq, Hq, D).
-    The cu_seqlens rules are checked on their values: one device-to-host read a call
-    (none under torch.compile or while a CUDA graph is captured).
+    The cu_seqlens rules are checked on their values: one device-to-host read for each
+    cu_seqlens pair and sizes (again after the tensors are written; none under
+    torch.compile or while a CUDA graph is captured).
     """
     for name, n in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if not isinstance(n, int) or isinstance(n, bool) or n < 0:
             raise ValueError(f"{name} must be a non-negative int, got {n!r}")
     q, k, v, scale, window, softcap = _checked_args(q, k, v, 3, softmax_scale, window, softcap)
     Nq = q.shape[0]
-    bad = [_check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, Nq, max_seqlen_q, q),
-           _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, q)]
+    sizes = (Nq, k.shape[0], max_seqlen_q, max_seqlen_k)
+    _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q)
+    _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, q)
     if cu_seqlens_q.shape != cu_seqlens_k.shape:
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have one length (batch + 1); got "
                          f"{cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}")
     if not (torch.compiler.is_compiling()
-            or (q.is_cuda and torch.cuda.is_current_stream_capturing())):
-        bad_q, bad_k = torch.stack(bad).tolist()
+            or (q.is_cuda and torch.cuda.is_current_stream_capturing())
+            or _passed_before(cu_seqlens_q, cu_seqlens_k, sizes)):
+        bad_q, bad_k = torch.stack([_breaks_rules(cu_seqlens_q, Nq, max_seqlen_q),
+                                    _breaks_rules(cu_seqlens_k, k.shape[0], max_seqlen_k)]
+                                   ).tolist()
         for name, is_bad, rows, longest in (("cu_seqlens_q", bad_q, Nq, max_seqlen_q),
                                             ("cu_seqlens_k", bad_k, k.shape[0], max_seqlen_k)):
             if is_bad:
                 raise ValueError(f"{name} must start at 0, never decrease and end at {rows}, "
                                  f"with no sequence longer than {longest}")
+        cu_seqlens_q._fusedtrain_checked = (weakref.ref(cu_seqlens_k),
+                                            *_value_check_mark(cu_seqlens_q, cu_seqlens_k,
+                                                               sizes))
     if q.numel() == 0 or k.shape[0] == 0 or max_seqlen_q == 0 or max_seqlen_k == 0:
         return q.new_zeros(q.shape)
     return _apply_flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k,

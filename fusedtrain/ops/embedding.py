@@ -62,56 +62,67 @@ def embedding(idx: Tensor, weight: Tensor) -> Tensor:
 
 
 @launcher("gpt_embedding_fwd")
-def _gpt_embedding_fwd(idx: Tensor, token_weight: Tensor, position_weight: Tensor) -> Tensor:
+def _gpt_embedding_fwd(idx: Tensor, token_weight: Tensor, position_weight: Tensor,
+                       positions: Tensor | None = None) -> Tensor:
     B, T = idx.shape
-    return K.embedding_fwd(idx.reshape(-1), token_weight, position_weight, T).view(B, T, -1)
+    ids = None if positions is None else positions.reshape(-1)
+    return K.embedding_fwd(idx.reshape(-1), token_weight, position_weight, T, ids).view(B, T, -1)
 
 
 @_gpt_embedding_fwd.register_fake
-def _(idx, token_weight, position_weight):
+def _(idx, token_weight, position_weight, positions=None):
     return token_weight.new_empty((*idx.shape, token_weight.shape[1]))
 
 
 def _gpt_embedding_grads(idx: Tensor, dx: Tensor, dw: Tensor | None, num_rows: int,
-                         num_positions: int) -> tuple[Tensor, Tensor]:
+                         num_positions: int, positions: Tensor | None
+                         ) -> tuple[Tensor, Tensor]:
     """(dW, dP) in fp32 (fp64): dx's rows added at idx (into dw, in place, when given: an
-    fp32 (fp64) contiguous (V, C) gradient) and over the batch at positions 0..T-1."""
+    fp32 (fp64) contiguous (V, C) gradient) and at their positions (0..T-1 along each
+    row, or `positions`)."""
     B, T = idx.shape
     dx2, flat = dx.reshape(-1, dx.shape[-1]), idx.reshape(-1)
+    ids = None if positions is None else positions.reshape(-1)
     if not torch.are_deterministic_algorithms_enabled():
-        return K.embedding_bwd(flat, dx2, num_rows, dw, num_positions, T)
+        return K.embedding_bwd(flat, dx2, num_rows, dw, num_positions, T, ids)
     acc = stat_dtype(dx)
     tokens = torch.ops.aten.embedding_dense_backward(dx2, flat, num_rows, -1, False).to(acc)
-    dpos = dx.new_zeros((num_positions, dx.shape[-1]), dtype=acc)
-    dpos[:T] = dx.sum(0, dtype=acc)
+    if ids is None:
+        dpos = dx.new_zeros((num_positions, dx.shape[-1]), dtype=acc)
+        dpos[:T] = dx.sum(0, dtype=acc)
+    else:
+        dpos = torch.ops.aten.embedding_dense_backward(dx2, ids, num_positions, -1,
+                                                       False).to(acc)
     return (tokens if dw is None else dw.add_(tokens)), dpos
 
 
 @launcher("gpt_embedding_bwd")
 def _gpt_embedding_bwd(idx: Tensor, dx: Tensor, head_grad: Tensor | None, num_rows: int,
-                       num_positions: int) -> tuple[Tensor, Tensor]:
+                       num_positions: int, positions: Tensor | None = None
+                       ) -> tuple[Tensor, Tensor]:
     """(dW, dP): dW = head_grad (when given) + dx's rows added at idx, in a new tensor."""
     dw = None if head_grad is None else head_grad.to(stat_dtype(dx), copy=True)
-    return _gpt_embedding_grads(idx, dx, dw, num_rows, num_positions)
+    return _gpt_embedding_grads(idx, dx, dw, num_rows, num_positions, positions)
 
 
 @_gpt_embedding_bwd.register_fake
-def _(idx, dx, head_grad, num_rows, num_positions):
+def _(idx, dx, head_grad, num_rows, num_positions, positions=None):
     C, acc = dx.shape[-1], stat_dtype(dx)
     return dx.new_empty((num_rows, C), dtype=acc), dx.new_empty((num_positions, C), dtype=acc)
 
 
 @launcher("gpt_embedding_bwd_into", mutates=("head_grad",))
 def _gpt_embedding_bwd_into(idx: Tensor, dx: Tensor, head_grad: Tensor,
-                            num_positions: int) -> Tensor:
+                            num_positions: int, positions: Tensor | None = None) -> Tensor:
     """dP; dx's rows added at idx into head_grad itself (contiguous, fp32 or fp64 as
     stat_dtype(dx)): under torch.compile Inductor then writes into the head's gradient
     buffer instead of copying it first (a 154 MB fp32 copy at GPT-2's size)."""
-    return _gpt_embedding_grads(idx, dx, head_grad, head_grad.shape[0], num_positions)[1]
+    return _gpt_embedding_grads(idx, dx, head_grad, head_grad.shape[0], num_positions,
+                                positions)[1]
 
 
 @_gpt_embedding_bwd_into.register_fake
-def _(idx, dx, head_grad, num_positions):
+def _(idx, dx, head_grad, num_positions, positions=None):
     return dx.new_empty((num_positions, dx.shape[-1]), dtype=stat_dtype(dx))
 
 
@@ -124,37 +135,40 @@ class GPTEmbeddingFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, idx: Tensor, token_weight: Tensor, position_weight: Tensor,
-                inplace: bool):
-        ctx.save_for_backward(idx)
+                inplace: bool, positions: Tensor | None):
+        ctx.save_for_backward(idx, positions)
         ctx.tables = [(w.shape[0], w.dtype) for w in (token_weight, position_weight)]
         ctx.inplace = inplace
-        return _gpt_embedding_fwd(idx, token_weight, position_weight), token_weight
+        return _gpt_embedding_fwd(idx, token_weight, position_weight, positions), token_weight
 
     @staticmethod
     def backward(ctx, dx: Tensor, head_grad: Tensor | None):
-        (idx,) = ctx.saved_tensors
+        idx, positions = ctx.saved_tensors
         (V, token_dtype), (P, position_dtype) = ctx.tables
         if dx is None:
             dx = idx.new_zeros((*idx.shape, head_grad.shape[1]), dtype=head_grad.dtype)
         in_place = (ctx.inplace and head_grad is not None and head_grad.is_contiguous()
                     and head_grad.dtype == stat_dtype(dx))
         if in_place:
-            dw, dpos = head_grad, _gpt_embedding_bwd_into(idx, dx, head_grad, P)
+            dw, dpos = head_grad, _gpt_embedding_bwd_into(idx, dx, head_grad, P, positions)
         else:
-            dw, dpos = _gpt_embedding_bwd(idx, dx, head_grad, V, P)
-        return None, dw.to(token_dtype), dpos.to(position_dtype), None
+            dw, dpos = _gpt_embedding_bwd(idx, dx, head_grad, V, P, positions)
+        return None, dw.to(token_dtype), dpos.to(position_dtype), None, None
 
 
 _apply_gpt_embedding = function_apply(GPTEmbeddingFunction)
 
 
 def gpt_embedding(idx: Tensor, token_weight: Tensor, position_weight: Tensor,
-                  inplace_backward: bool = False) -> tuple[Tensor, Tensor]:
+                  inplace_backward: bool = False, *,
+                  positions: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """GPT's input embedding, with its tied output head's weight.
 
     idx: (B, T) token ids in [0, V), token_weight: (V, C), position_weight: (P, C), P >= T
     -> (x, head_weight): x = token_weight[idx] + position_weight[:T]: (B, T, C) in
-    token_weight's dtype (a row of NaN for an id outside [0, V), which gets no gradient:
+    token_weight's dtype, or with positions ((B, T) ints in [0, P), e.g. packed documents'
+    Documents.positions) x[b, t] = token_weight[idx[b, t]] + position_weight[positions[b, t]]
+    (a row of NaN for an id outside its table, which gets no gradient there:
     checking the ids on the host would cost a sync), and head_weight, token_weight itself,
     for the output head tied to the token table to read instead of token_weight: its
     gradient then meets the embedding's in this op's backward, which adds the embedding's
@@ -174,19 +188,24 @@ def gpt_embedding(idx: Tensor, token_weight: Tensor, position_weight: Tensor,
     if position_weight.shape[1] != C:
         raise ValueError(f"position_weight has shape {tuple(position_weight.shape)}: "
                          f"expected (P, {C}) to match token_weight's width {C}")
-    if position_weight.shape[0] < T:
+    if positions is not None:
+        check_index_tensor("positions", positions, "positions")
+        if positions.shape != idx.shape:
+            raise ValueError(f"positions must have idx's shape {tuple(idx.shape)}, got "
+                             f"{tuple(positions.shape)}")
+    elif position_weight.shape[0] < T:
         raise ValueError(f"sequence length {T} exceeds position_weight's {position_weight.shape[0]}"
                          " positions")
     check_same("token_weight", token_weight, idx=idx, position_weight=position_weight,
-               same_dtype=False)
+               same_dtype=False, **({} if positions is None else {"positions": positions}))
     if position_weight.dtype != token_weight.dtype:
         raise TypeError(f"position_weight has dtype {position_weight.dtype} but token_weight "
                         f"has {token_weight.dtype}")
     if idx.numel() == 0:
         from fusedtrain import eager
 
-        return eager.gpt_embedding(idx, token_weight, position_weight)
+        return eager.gpt_embedding(idx, token_weight, position_weight, positions=positions)
     if torch.is_grad_enabled() and (token_weight.requires_grad or position_weight.requires_grad):
         return _apply_gpt_embedding(idx, token_weight, position_weight,
-                                          bool(inplace_backward))
-    return _gpt_embedding_fwd(idx, token_weight, position_weight), token_weight
+                                    bool(inplace_backward), positions)
+    return _gpt_embedding_fwd(idx, token_weight, position_weight, positions), token_weight

@@ -68,10 +68,10 @@ class GPTModule(L.LightningModule):
         self._params: tuple[torch.nn.Parameter, ...] | None = None  # for clipping, walked once
 
     def training_step(self, batch, batch_idx):
-        x, y = batch
+        x, y, *docs = batch  # docs: [cu_seqlens] with data.pack=true
         if self._inductor_graphs:  # a new step: earlier outputs may be reused
             torch.compiler.cudagraph_mark_step_begin()
-        loss = self._train_loss(x, y)
+        loss = self._train_loss(x, y, *docs)
         previous, self._pending_check = self._pending_check, self._queue_finite_check(loss)
         self._raise_if_non_finite(previous)
         # A graphed loss lives in the graph's output buffer, which the next step overwrites.
@@ -79,7 +79,7 @@ class GPTModule(L.LightningModule):
         # For the loggers only (mean over ranks): Lightning reads every progress-bar metric
         # logged as a tensor back from the GPU at the end of every step, which would make
         # the host wait for the device each step. The bar shows last_loss (ProgressBar).
-        self.log("train/loss", logged, sync_dist=True)
+        self.log("train/loss", logged, sync_dist=True, batch_size=x.shape[0])
         return loss
 
     def backward(self, loss: torch.Tensor, *args, **kwargs) -> None:
@@ -90,9 +90,10 @@ class GPTModule(L.LightningModule):
         with torch.autograd.set_multithreading_enabled(self.autograd_threads):
             super().backward(loss, *args, **kwargs)
 
-    def _train_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        if not self.cuda_graph:
-            return self._loss_fn(x, y)
+    def _train_loss(self, x: torch.Tensor, y: torch.Tensor, *docs: torch.Tensor
+                    ) -> torch.Tensor:
+        if not self.cuda_graph:  # (config.py refuses cuda_graph=true with packed rows)
+            return self._loss_fn(x, y, *docs)
         if self._graph is None:
             self._graph = (x.shape, capture_loss(self.model, x, y))
         shape, graphed = self._graph
@@ -153,12 +154,12 @@ class GPTModule(L.LightningModule):
         random.setstate((state[0], tuple(rng["python"]), state[2]))
 
     def validation_step(self, batch, batch_idx):
-        x, y = batch
+        x, y, *docs = batch
         if self._inductor_graphs:
             torch.compiler.cudagraph_mark_step_begin()
-        loss = self._loss_fn(x, y)
+        loss = self._loss_fn(x, y, *docs)
         self.log("val/loss", loss.clone() if self._inductor_graphs else loss, prog_bar=True,
-                 sync_dist=True)
+                 sync_dist=True, batch_size=x.shape[0])
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None,
                                     gradient_clip_algorithm=None) -> None:

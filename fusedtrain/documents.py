@@ -1,0 +1,52 @@
+"""The documents packed into a (B, T) batch, as the model reads them: from cu_seqlens,
+each token's position in its document and, for eager attention, the keys each query sees."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+Tensor = torch.Tensor
+
+
+class Documents(NamedTuple):
+    """cu_seqlens: int32 (n + 1,), the first token of each document in the batch's B * T
+    flattened tokens, then B * T, with every row's first token among them (so no document
+    crosses a row, and none is longer than T); positions: (B, T) int64, each token's place
+    in its document; seen: (B, 1, T, T) bool, which keys each query sees (its own
+    document's, causal, within the window), for eager attention; None where no eager
+    attention reads it."""
+
+    cu_seqlens: Tensor
+    positions: Tensor
+    seen: Tensor | None
+
+
+def documents(cu_seqlens: Tensor, rows: int, length: int, window: int | None = None,
+              eager: bool = True) -> Documents:
+    """cu_seqlens: int32 (n + 1,), document starts in the (rows, length) batch's flattened
+    tokens (data.pack_collate's) -> Documents. Every row's start is added (zero-length
+    documents, where it is already one, cost the kernels nothing) and values are clamped
+    to [0, rows * length], so the result follows the varlen rules for any input, with no
+    device-to-host read. window: each token sees itself and this many before it."""
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype != torch.int32:
+        raise TypeError(f"cu_seqlens must be an int32 tensor, got "
+                        f"{getattr(cu_seqlens, 'dtype', type(cu_seqlens).__name__)}")
+    if cu_seqlens.dim() != 1:
+        raise ValueError(f"cu_seqlens must be 1-D, got shape {tuple(cu_seqlens.shape)}")
+    n, device = rows * length, cu_seqlens.device
+    row_starts = torch.arange(0, n + 1, length, device=device, dtype=torch.int32)
+    cu = torch.cat([cu_seqlens.clamp(0, n), row_starts]).sort().values
+    token = torch.arange(n, device=device, dtype=torch.int32)
+    doc = torch.searchsorted(cu, token, right=True) - 1  # the last start at or before it
+    positions = (token - cu[doc]).view(rows, length).long()
+    if not eager:
+        return Documents(cu, positions, None)
+    doc = doc.view(rows, 1, length)
+    i = torch.arange(length, device=device)
+    behind = i[:, None] - i[None, :]  # query i, key j: i - j
+    seen = (doc.transpose(1, 2) == doc) & (behind >= 0)
+    if window is not None:
+        seen &= behind <= window
+    return Documents(cu, positions, seen[:, None])
