@@ -111,6 +111,17 @@ def test_packed_loss_and_gradients_fused_equal_eager():
         torch.testing.assert_close(q.grad, p.grad, msg=name)
 
 
+def test_compiled_packed_loss_follows_the_document_count():
+    """torch.compile of the fused packed loss: batches with other numbers of documents
+    (cu_seqlens of other lengths) give the uncompiled loss."""
+    model = _model(True)
+    compiled = torch.compile(model.loss, backend="aot_eager")
+    idx, targets = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
+    for cu in ([0, 5, 16, 20, 32], [0, 3, 32], [0, 1, 2, 16, 18, 19, 32]):
+        cu = torch.tensor(cu, dtype=torch.int32)
+        torch.testing.assert_close(compiled(idx, targets, cu), model.loss(idx, targets, cu))
+
+
 def test_pack_settings_that_cannot_work_are_refused():
     with pytest.raises(ValueError, match="data.pack"):
         DataConfig(source="synthetic", pack=True)
