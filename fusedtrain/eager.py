@@ -53,6 +53,16 @@ def fused_mlp(
     return F.linear(linear_gelu(x, fc_weight, fc_bias, approximate), proj_weight, proj_bias)
 
 
+def swiglu_mlp(x: torch.Tensor, gate_weight: torch.Tensor, up_weight: torch.Tensor,
+               down_weight: torch.Tensor) -> torch.Tensor:
+    """y = (silu(x @ gate_weight.T) * (x @ up_weight.T)) @ down_weight.T.
+
+    x: (..., C), gate_weight, up_weight: (H, C), down_weight: (C_out, H) -> y: (..., C_out).
+    Autograd keeps x, g, silu(g), u and silu(g) * u alive for backward.
+    """
+    return F.linear(F.silu(F.linear(x, gate_weight)) * F.linear(x, up_weight), down_weight)
+
+
 def qkv_projection(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n_heads: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

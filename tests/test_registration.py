@@ -40,8 +40,10 @@ def first_calls():
     with _FirstCalls() as mode:
         losses = [ops.linear_gelu(x, leaf(7, C), leaf(7)).sum(),
                   ops.fused_mlp(x, leaf(16, C), leaf(16), leaf(C, 16), leaf(C)).sum()]
+        losses.append(ops.swiglu_mlp(x, leaf(16, C), leaf(16, C), leaf(C, 16)).sum())
         with torch.no_grad():
             ops.linear_gelu(x, leaf(7, C), leaf(7))
+            ops.swiglu_mlp(x, leaf(16, C), leaf(16, C), leaf(C, 16))
         q, k, v = ops.qkv_projection(x, leaf(3 * C, C), leaf(3 * C), H)
         losses.append(ops.flash_attention(q, k, v, causal=True).sum())
         # Grouped heads, a window and a softcap: the backward with three gradient buffers.
@@ -136,6 +138,7 @@ def _every_op_forward_and_backward(device: str) -> list[torch.Tensor]:
     x, w, b = leaf(B, T, C), leaf(C), leaf(C)
     outs = [ops.linear_gelu(x, leaf(7, C), leaf(7)),
             ops.fused_mlp(x, leaf(16, C), leaf(16), leaf(C, 16), leaf(C)),
+            ops.swiglu_mlp(x, leaf(16, C), leaf(16, C), leaf(C, 16)),
             *ops.qkv_projection(x, leaf(3 * C, C), leaf(3 * C), H),
             ops.layer_norm(x, w, b), *ops.add_layer_norm(x, leaf(B, T, C), w, b),
             ops.layer_norm_gelu(x, w, b)]

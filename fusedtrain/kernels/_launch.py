@@ -339,3 +339,15 @@ def _current_device() -> int:
 
 
 fast_launch = FastLaunch  # as a decorator on a kernel or an autotuner over one
+
+
+def operand_signature(name: str, *operands: torch.Tensor) -> tuple:
+    """A plan key of a GEMM-like launch: its name, device, the operands' shapes, strides and
+    dtypes, and whether all of them are 16-byte aligned."""
+    aligned = 0
+    key = [name, operands[0].device]
+    for t in operands:
+        key += (t.shape, t.stride(), t.dtype)
+        aligned |= t.data_ptr()
+    key.append(aligned & 15 == 0)
+    return tuple(key)

@@ -29,7 +29,7 @@ import triton.language as tl
 from fusedtrain.kernels import INTERPRET
 from fusedtrain.kernels._device import acc_dtype, ceil_div, stat_dtype
 from fusedtrain.kernels._gemm import INTERPRET_GEMM, WIDE_GEMM, gemm_configs, gemm_flags, gemm_tile
-from fusedtrain.kernels._launch import fast_launch
+from fusedtrain.kernels._launch import fast_launch, operand_signature
 from fusedtrain.kernels._primitives import cdiv, device_fn, tile_ptrs
 from fusedtrain.kernels._tma import (
     TmaConfig,
@@ -275,16 +275,6 @@ _GELU_BWD_TILE = (64, 128)
 _PLANS: dict[tuple, tuple] = {}
 
 
-def _signature(name: str, *operands: torch.Tensor) -> tuple:
-    aligned = 0
-    key = [name, operands[0].device]
-    for t in operands:
-        key += (t.shape, t.stride(), t.dtype)
-        aligned |= t.data_ptr()
-    key.append(aligned & 15 == 0)
-    return tuple(key)
-
-
 def _plan(key: tuple | None, make: Callable[[], tuple]) -> tuple:
     if key is None:
         return make()
@@ -324,7 +314,7 @@ def linear_gelu_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     h = torch.empty(M, N, device=x.device, dtype=x.dtype) if store_h else None
     h_arg = h if store_h else y  # never written when STORE_H is off
     b_arg = bias if bias is not None else x
-    key = None if config else (*_signature("fwd", x, weight), bias is None, approximate,
+    key = None if config else (*operand_signature("fwd", x, weight), bias is None, approximate,
                                store_h)
     path, flags, cfg = _plan(key, lambda: _fwd_plan(x, weight, y, bias is not None,
                                                     approximate, store_h, config))
@@ -375,7 +365,7 @@ def matmul_dgelu(dy: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, approximat
     N = w2.shape[1]
     dh = torch.empty(M, N, device=dy.device, dtype=dy.dtype)
     col_sums = sums_dtype is not None
-    key = None if config else (*_signature("dgelu", dy, w2, h), approximate, col_sums)
+    key = None if config else (*operand_signature("dgelu", dy, w2, h), approximate, col_sums)
     path, flags, cfg = _plan(key, lambda: _dgelu_plan(dy, w2, h, approximate, config))
     if path == "gluon":
         from fusedtrain.kernels import gemm_gluon, linear_gelu_gluon
@@ -434,8 +424,8 @@ def matmul_gelu_rhs(dy: torch.Tensor, h: torch.Tensor, approximate: str,
     K, M = dy.shape
     N = h.shape[1]
     out_dtype = out_dtype or dy.dtype
-    key = None if config else (*_signature("gelu_rhs", dy, h), approximate, out_dtype, splits,
-                               torch.are_deterministic_algorithms_enabled())
+    key = None if config else (*operand_signature("gelu_rhs", dy, h), approximate, out_dtype,
+                               splits, torch.are_deterministic_algorithms_enabled())
     use_tma, cfg, tiles, splits, k_split, stream_k, part_dtype, flags, programs = _plan(
         key, lambda: _gelu_rhs_plan(dy, h, approximate, out_dtype, splits, config))
     if stream_k:

@@ -1,0 +1,98 @@
+"""ops.swiglu_mlp against its eager twin: fp64 gradcheck, odd shapes, what it saves for
+backward, inference, torch.compile, bad input; bf16 against an fp64 oracle on the GPU."""
+
+import pytest
+import torch
+from conftest import check_against_oracle, grads_of
+
+from fusedtrain import eager, ops
+from fusedtrain.gradcheck import gradcheck
+
+F64 = torch.float64
+
+
+def _inputs(M=(2, 5), C=12, H=20, C_out=9, dtype=F64, device="cpu"):
+    gen = torch.Generator().manual_seed(0)
+
+    def leaf(*shape, scale=1.0):
+        t = torch.randn(*shape, generator=gen, dtype=F64) * scale
+        return t.to(device, dtype).requires_grad_()
+
+    return (leaf(*M, C), leaf(H, C, scale=C ** -0.5), leaf(H, C, scale=C ** -0.5),
+            leaf(C_out, H, scale=H ** -0.5))
+
+
+def test_gradcheck():
+    assert gradcheck(ops.swiglu_mlp, _inputs())
+
+
+@pytest.mark.parametrize("M,C,H,C_out", [((1, 1), 1, 1, 1), ((3, 37), 24, 72, 40),
+                                          ((131,), 65, 33, 130)])
+def test_matches_the_twin_at_odd_shapes(M, C, H, C_out):
+    args = _inputs(M, C, H, C_out, dtype=torch.float32)
+    (y,), grads, g = grads_of(ops.swiglu_mlp, args)
+    (ref,), ref_grads, _ = grads_of(eager.swiglu_mlp, args, g)
+    for a, b in zip((y, *grads), (ref, *ref_grads)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def _saved_bytes(fn, args) -> int:
+    """Bytes autograd saves for backward beyond the inputs (each storage once)."""
+    inputs = {t.untyped_storage().data_ptr() for t in args}
+    saved = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in inputs:
+            saved[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(*args)
+    return sum(saved.values())
+
+
+def test_saves_the_two_pre_activations_only():
+    """Fused: g and u, (M, H) each (x and the weights are inputs); eager also keeps
+    silu(g) and silu(g) * u: the fused op saves half (the target: <= 2/3)."""
+    x, wg, wu, wd = args = _inputs((64,), 16, 48, 16, dtype=torch.float32)
+    fused, twin = _saved_bytes(ops.swiglu_mlp, args), _saved_bytes(eager.swiglu_mlp, args)
+    assert fused == 2 * 64 * 48 * 4
+    assert fused <= twin / 2
+
+
+def test_inference_matches_and_saves_nothing():
+    args = _inputs(dtype=torch.float32)
+    with torch.no_grad():
+        y = ops.swiglu_mlp(*args)
+    assert y.grad_fn is None
+    torch.testing.assert_close(y, eager.swiglu_mlp(*args).detach(), rtol=1e-4, atol=1e-5)
+
+
+def test_compile_fullgraph_matches_eager():
+    args = _inputs(dtype=torch.float32)
+    compiled = torch.compile(lambda *a: ops.swiglu_mlp(*a), fullgraph=True, backend="aot_eager")
+    (y,), grads, g = grads_of(compiled, args)
+    (ref,), ref_grads, _ = grads_of(eager.swiglu_mlp, args, g)
+    for a, b in zip((y, *grads), (ref, *ref_grads)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_bad_inputs():
+    x, wg, wu, wd = (t.detach() for t in _inputs())
+    with pytest.raises(ValueError, match="gate_weight"):
+        ops.swiglu_mlp(x, wg[:, :5], wu, wd)
+    with pytest.raises(ValueError, match="up_weight"):
+        ops.swiglu_mlp(x, wg, wu[:7], wd)
+    with pytest.raises(ValueError, match="down_weight"):
+        ops.swiglu_mlp(x, wg, wu, wd[:, :3])
+    with pytest.raises(TypeError, match="up_weight"):
+        ops.swiglu_mlp(x, wg, wu.float(), wd)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,C,H", [(16384, 768, 2048), (4096, 4096, 11008), (1000, 96, 200)])
+def test_gpu_bf16_accuracy(M, C, H):
+    args = [t.detach().bfloat16().requires_grad_()
+            for t in _inputs((M,), C, H, C, dtype=torch.float32, device="cuda")]
+    check_against_oracle(ops.swiglu_mlp, eager.swiglu_mlp, args, atol=1e-3)
