@@ -64,20 +64,55 @@ def swiglu_mlp(x: torch.Tensor, gate_weight: torch.Tensor, up_weight: torch.Tens
 
 
 def qkv_projection(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n_heads: int
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n_heads: int,
+    n_kv_heads: int | None = None, rope_base: float | None = None,
+    positions: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Three projections from slices of one (3C, C) weight, each split into heads.
+    """Three projections from slices of one weight [Wq | Wk | Wv], each split into heads,
+    q and k then rotated (rotary) with a rope_base.
 
-    x: (B, T, C), weight: (3C, C), bias: (3C,) -> q, k, v: (B, n_heads, T, C // n_heads).
+    x: (B, T, C), weight: ((n_heads + 2 n_kv_heads) D, C), D = C // n_heads, bias: its rows
+    -> q: (B, n_heads, T, D), k, v: (B, n_kv_heads, T, D). positions: (B, T), see rotary.
     """
     B, T, C = x.shape
     D = C // n_heads
-    outs = []
-    for i in range(3):
-        w = weight[i * C:(i + 1) * C]
-        b = None if bias is None else bias[i * C:(i + 1) * C]
-        outs.append(F.linear(x, w, b).view(B, T, n_heads, D).transpose(1, 2))
-    return outs[0], outs[1], outs[2]
+    sizes = _qkv_sizes(C, n_heads, n_kv_heads)
+    outs, start = [], 0
+    for size in sizes:
+        w = weight[start:start + size]
+        b = None if bias is None else bias[start:start + size]
+        outs.append(F.linear(x, w, b).view(B, T, -1, D).transpose(1, 2))
+        start += size
+    return _rotated(*outs, rope_base, positions)
+
+
+def _qkv_sizes(C: int, n_heads: int, n_kv_heads: int | None) -> list[int]:
+    """The row counts of Wq, Wk and Wv."""
+    kv = (n_kv_heads or n_heads) * (C // n_heads)
+    return [C, kv, kv]
+
+
+def _rotated(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope_base: float | None,
+             positions: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if rope_base is None:
+        return q, k, v
+    return rotary(q, rope_base, positions), rotary(k, rope_base, positions), v
+
+
+def rotary(x: torch.Tensor, base: float, positions: torch.Tensor | None = None
+           ) -> torch.Tensor:
+    """x: (B, H, T, D) with dims d and d + D/2 of each head rotated by the angle
+    p * base ** (-2d / D), p = positions[b, t] (default t): transformers' Llama "rotate half"
+    form, the frequencies computed as it computes them, the rotation in fp32 (fp64 for
+    fp64 x), rounded once."""
+    T, D = x.shape[-2:]
+    acc = torch.promote_types(x.dtype, torch.float32)
+    inv_freq = 1.0 / base ** (torch.arange(0, D, 2, device=x.device, dtype=acc) / D)
+    p = torch.arange(T, device=x.device) if positions is None else positions[:, None]
+    angle = p.to(acc)[..., None] * inv_freq  # (T, D/2), or (B, 1, T, D/2)
+    cos, sin = angle.cos(), angle.sin()
+    x1, x2 = x.to(acc).chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
 def attention_mask(T: int, S: int, causal: bool, window: tuple[int, int] | None,
@@ -244,12 +279,16 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.T
 
 
 def qkv_projection_packed(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n_heads: int
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n_heads: int,
+    n_kv_heads: int | None = None, rope_base: float | None = None,
+    positions: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The same result as `qkv_projection` the way nanoGPT computes it: one (C, 3C)
-    linear, then split, view and transpose. The model's eager path uses this form
-    (the stronger eager baseline); `qkv_projection` is the three-projection twin."""
+    """The same result as `qkv_projection` the way nanoGPT computes it: one linear, then
+    split, view and transpose (q, k, v views of one (B, T, ...) tensor), q and k rotated
+    with a rope_base. The model's eager path uses this form (the stronger eager baseline);
+    `qkv_projection` is the three-projection twin."""
     B, T, C = x.shape
-    q, k, v = F.linear(x, weight, bias).split(C, dim=-1)
     D = C // n_heads
-    return tuple(t.view(B, T, n_heads, D).transpose(1, 2) for t in (q, k, v))
+    parts = F.linear(x, weight, bias).split(_qkv_sizes(C, n_heads, n_kv_heads), dim=-1)
+    return _rotated(*(t.view(B, T, -1, D).transpose(1, 2) for t in parts), rope_base,
+                    positions)

@@ -45,6 +45,7 @@ def first_calls():
             ops.linear_gelu(x, leaf(7, C), leaf(7))
             ops.swiglu_mlp(x, leaf(16, C), leaf(16, C), leaf(C, 16))
         q, k, v = ops.qkv_projection(x, leaf(3 * C, C), leaf(3 * C), H)
+        losses.append(ops.rotary(q, 10000.0, torch.tensor([[0, 1, 0, 1, 2]] * B)).sum())
         losses.append(ops.flash_attention(q, k, v, causal=True).sum())
         # Grouped heads, a window and a softcap: the backward with three gradient buffers.
         losses.append(ops.flash_attention(q, k[:, :1], v[:, :1], causal=True, window=(2, 0),

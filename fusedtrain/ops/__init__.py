@@ -19,11 +19,13 @@ from fusedtrain.ops.linear import linear
 from fusedtrain.ops.linear_gelu import fused_mlp, linear_gelu
 from fusedtrain.ops.qkv import qkv_projection
 from fusedtrain.ops.qkv_attention import qkv_attention
+from fusedtrain.ops.rope import rotary
 from fusedtrain.ops.swiglu import swiglu_mlp
 
 __all__ = [
     "add_layer_norm", "add_rms_norm", "cross_entropy", "describe", "embedding",
     "flash_attention", "flash_attention_varlen", "fused_mlp", "gpt_embedding", "layer_norm",
     "layer_norm_gelu", "layer_norm_stream", "linear", "linear_cross_entropy", "linear_gelu",
-    "qkv_attention", "qkv_projection", "register_inductor_fallbacks", "rms_norm", "swiglu_mlp",
+    "qkv_attention", "qkv_projection", "register_inductor_fallbacks", "rms_norm", "rotary",
+    "swiglu_mlp",
 ]

@@ -12,7 +12,8 @@ from fusedtrain.kernels._device import stat_dtype
 from fusedtrain.kernels.bias_grad import bias_grad
 from fusedtrain.ops._registry import function_apply, launcher
 from fusedtrain.ops._validate import autocast_cast, autocast_params, check_same, check_tensor
-from fusedtrain.ops.linear import weight_grad
+from fusedtrain.ops.linear import linear, weight_grad
+from fusedtrain.ops.rope import checked_rope, rotary
 
 Tensor = torch.Tensor
 
@@ -126,8 +127,9 @@ class QKVProjectionFunction(torch.autograd.Function):
 _apply_qkv_projection = function_apply(QKVProjectionFunction)
 
 
-def checked_args(x: Tensor, weight: Tensor, bias: Tensor | None,
-                 n_heads: int) -> tuple[Tensor, Tensor, Tensor | None, torch.dtype | None]:
+def checked_args(x: Tensor, weight: Tensor, bias: Tensor | None, n_heads: int,
+                 n_kv_heads: int | None = None
+                 ) -> tuple[Tensor, Tensor, Tensor | None, torch.dtype | None]:
     """qkv_projection's arguments validated (ValueError/TypeError naming the argument),
     x cast as autocast would cast it, and the dtype the op casts weight and bias to
     (None: none; ops._validate.autocast_params)."""
@@ -138,25 +140,51 @@ def checked_args(x: Tensor, weight: Tensor, bias: Tensor | None,
     C = x.shape[-1]
     if C % n_heads:
         raise ValueError(f"x's last dimension C={C} is not divisible by n_heads={n_heads}")
-    if tuple(weight.shape) != (3 * C, C):
-        raise ValueError(f"weight has shape {tuple(weight.shape)}, expected (3C, C) = "
-                         f"({3 * C}, {C})")
+    kv = n_heads if n_kv_heads is None else n_kv_heads
+    if not isinstance(kv, int) or kv <= 0 or n_heads % kv:
+        raise ValueError(f"n_kv_heads must be a positive divisor of n_heads={n_heads}, got "
+                         f"{n_kv_heads!r}")
+    rows = C + 2 * kv * (C // n_heads)
+    if tuple(weight.shape) != (rows, C):
+        raise ValueError(f"weight has shape {tuple(weight.shape)}, expected ((n_heads + 2 "
+                         f"n_kv_heads) D, C) = ({rows}, {C})")
     if bias is not None:
         check_tensor("bias", bias, ndim=1)
-        if bias.shape[0] != 3 * C:
-            raise ValueError(f"bias has shape {tuple(bias.shape)}, expected ({3 * C},)")
+        if bias.shape[0] != rows:
+            raise ValueError(f"bias has shape {tuple(bias.shape)}, expected ({rows},)")
     x, compute_dtype = autocast_params(x, weight, bias)
     check_same("x", x, compute_dtype is None, weight=weight, bias=bias)
     return x, weight, bias, compute_dtype
 
 
-def qkv_projection(x: Tensor, weight: Tensor, bias: Tensor | None,
-                   n_heads: int) -> tuple[Tensor, Tensor, Tensor]:
-    """One GEMM over weight = [Wq|Wk|Wv] writing q, k, v head-split.
+def qkv_projection(x: Tensor, weight: Tensor, bias: Tensor | None, n_heads: int,
+                   n_kv_heads: int | None = None, rope_base: float | None = None,
+                   positions: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """q, k, v head-split from one weight [Wq | Wk | Wv], q and k rotated with a rope_base.
 
-    x: (B, T, C), weight: (3C, C), bias: (3C,) -> q, k, v: (B, n_heads, T, C // n_heads).
+    x: (B, T, C), weight: ((n_heads + 2 n_kv_heads) D, C), D = C // n_heads, bias: its rows
+    -> q: (B, n_heads, T, D), k, v: (B, n_kv_heads, T, D) (n_kv_heads defaults to
+    n_heads). rope_base, positions ((B, T) ints, default t): ops.rotary on q and k.
+    With equal head counts and no rope_base one GEMM writes q, k, v head-split; otherwise
+    ops.linear, views of its (B, T, ...) output (merging heads back is a view), and the
+    rotary kernel on q and k.
     """
-    x, weight, bias, compute_dtype = checked_args(x, weight, bias, n_heads)
+    x, weight, bias, compute_dtype = checked_args(x, weight, bias, n_heads, n_kv_heads)
+    if positions is not None and rope_base is None:
+        raise ValueError("positions are read only with rope_base (rotary embeddings)")
+    if rope_base is not None:
+        B, T, C = x.shape
+        checked_rope(x.new_empty(B, 1, T, C // n_heads), rope_base, positions)
     if x.numel() == 0:
-        return eager.qkv_projection(*autocast_cast(x, weight, bias), n_heads)
-    return _apply_qkv_projection(x, weight, bias, n_heads, compute_dtype)
+        return eager.qkv_projection(*autocast_cast(x, weight, bias), n_heads, n_kv_heads,
+                                    rope_base, positions)
+    if (n_kv_heads or n_heads) == n_heads and rope_base is None:
+        return _apply_qkv_projection(x, weight, bias, n_heads, compute_dtype)
+    B, T, C = x.shape
+    D = C // n_heads
+    kv = (n_kv_heads or n_heads) * D
+    q, k, v = (t.view(B, T, -1, D).transpose(1, 2)
+               for t in linear(x, weight, bias).split([C, kv, kv], dim=-1))
+    if rope_base is None:
+        return q, k, v
+    return rotary(q, rope_base, positions), rotary(k, rope_base, positions), v
