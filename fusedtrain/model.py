@@ -1,5 +1,7 @@
-"""GPT-2 shaped language model: learned positions, pre-LN blocks, tied head; optionally
-packed rows of documents (cu_seqlens) that attend only to themselves."""
+"""GPT-2 shaped language model: pre-norm blocks on a residual stream, GPT-2's by default
+(learned positions, LayerNorm, GELU MLP, tied head), Llama's by switches (rotary positions,
+RMSNorm, SwiGLU, grouped-query attention, untied head); optionally packed rows of documents
+(cu_seqlens) that attend only to themselves."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import torch.nn.functional as F
 from fusedtrain import eager
 from fusedtrain.casts import grouped_casts
 from fusedtrain.documents import Documents, documents
-from fusedtrain.modules import MLP, CausalSelfAttention, ResidualLayerNorm
+from fusedtrain.modules import MLP, CausalSelfAttention, ResidualLayerNorm, SwiGLU
 
 KERNEL_FAMILIES = ("mlp", "qkv", "attention", "layernorm", "cross_entropy", "embedding")
 
@@ -31,6 +33,12 @@ class GPTConfig:
     eager_attention: str = "math"  # the unfused attention: "math" or "sdpa"
     n_kv_head: int | None = None  # key/value heads (grouped-query attention); None: n_head
     attention_window: int | None = None  # each token sees itself and this many before it
+    norm: str = "layernorm"  # "layernorm" or "rmsnorm"
+    mlp: str = "gelu"  # "gelu" (GPT-2's) or "swiglu" (Llama's, no biases)
+    mlp_hidden: int | None = None  # None: 4 C (gelu), 8 C / 3 rounded up to 64 (swiglu)
+    pos: str = "learned"  # "learned" (GPT-2's table) or "rope" (rotary q and k)
+    rope_base: float = 10000.0
+    tie_head: bool = True  # the output head reads the token embedding's table
     kernels: dict[str, bool] = field(default_factory=lambda: dict.fromkeys(KERNEL_FAMILIES, False))
 
     def __post_init__(self) -> None:
@@ -52,6 +60,27 @@ class GPTConfig:
                 or isinstance(self.attention_window, bool) or self.attention_window < 0):
             raise ValueError(f"model.attention_window must be a non-negative int or null, got "
                              f"{self.attention_window!r}")
+        for name, options in (("norm", ("layernorm", "rmsnorm")), ("mlp", ("gelu", "swiglu")),
+                              ("pos", ("learned", "rope"))):
+            if getattr(self, name) not in options:
+                raise ValueError(f"model.{name} must be one of {options}, got "
+                                 f"{getattr(self, name)!r}")
+        if self.mlp == "swiglu" and self.bias:
+            raise ValueError("model.mlp=swiglu has no biases: set model.bias=false")
+        if self.mlp_hidden is None:
+            self.mlp_hidden = (4 * self.n_embd if self.mlp == "gelu"
+                               else -(-8 * self.n_embd // 3 // 64) * 64)
+        if (not isinstance(self.mlp_hidden, int) or isinstance(self.mlp_hidden, bool)
+                or self.mlp_hidden <= 0):
+            raise ValueError(f"model.mlp_hidden must be a positive int or null, got "
+                             f"{self.mlp_hidden!r}")
+        if self.pos == "rope" and (self.n_embd // self.n_head) % 2:
+            raise ValueError(f"model.pos=rope needs an even head dim, got "
+                             f"{self.n_embd // self.n_head}")
+        if not 1.0 < float(self.rope_base) < math.inf:
+            raise ValueError(f"model.rope_base must be a finite number > 1, got "
+                             f"{self.rope_base!r}")
+        self.rope_base = float(self.rope_base)
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"model.dropout must be in [0, 1), got {self.dropout}")
         if self.gelu not in ("none", "tanh"):
@@ -89,18 +118,25 @@ class Block(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         k = cfg.kernels
-        self.ln_1 = ResidualLayerNorm(cfg.n_embd, k["layernorm"], cfg.bias)
+        self.ln_1 = ResidualLayerNorm(cfg.n_embd, k["layernorm"], cfg.bias, cfg.norm)
         self.attn = CausalSelfAttention(
             cfg.n_embd, cfg.n_head, k["qkv"], k["attention"], cfg.eager_attention, cfg.bias,
             cfg.n_kv_head, cfg.attention_window,
+            cfg.rope_base if cfg.pos == "rope" else None,
         )
-        self.ln_2 = ResidualLayerNorm(cfg.n_embd, k["layernorm"], cfg.bias)
-        self.mlp = MLP(cfg.n_embd, k["mlp"], cfg.bias, cfg.gelu)
+        self.ln_2 = ResidualLayerNorm(cfg.n_embd, k["layernorm"], cfg.bias, cfg.norm)
+        if cfg.mlp == "gelu":
+            self.mlp = MLP(cfg.n_embd, k["mlp"], cfg.bias, cfg.gelu, cfg.mlp_hidden)
+        else:
+            self.mlp = SwiGLU(cfg.n_embd, cfg.mlp_hidden, k["mlp"])
         self.drop = nn.Dropout(cfg.dropout)
-        self.biases_in_ln = k["layernorm"] and cfg.dropout == 0.0 and cfg.bias
+        self.biases_in_ln = (k["layernorm"] and cfg.dropout == 0.0 and cfg.bias
+                             and cfg.norm == "layernorm" and cfg.mlp == "gelu")
         # The parameters that the fused ops read through prepared casts, cast together.
+        mlp_linears = ([self.mlp.c_fc, self.mlp.c_proj] if cfg.mlp == "gelu"
+                       else [self.mlp.gate_proj, self.mlp.up_proj, self.mlp.down_proj])
         linears = ([self.attn.c_attn, self.attn.c_proj] if k["qkv"] else []) + (
-            [self.mlp.c_fc, self.mlp.c_proj] if k["mlp"] else [])
+            mlp_linears if k["mlp"] else [])
         in_ln = [self.attn.c_proj.bias, self.mlp.c_proj.bias] if self.biases_in_ln else []
         self._cast_params = [p for m in linears for p in (m.weight, m.bias)
                              if p is not None and all(p is not b for b in in_ln)]
@@ -127,20 +163,24 @@ class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.config = cfg
+        parts = dict(wte=nn.Embedding(cfg.vocab_size, cfg.n_embd))
+        if cfg.pos == "learned":
+            parts["wpe"] = nn.Embedding(cfg.block_size, cfg.n_embd)
         self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(cfg.vocab_size, cfg.n_embd),
-            wpe=nn.Embedding(cfg.block_size, cfg.n_embd),
+            **parts,
             drop=nn.Dropout(cfg.dropout),
             h=nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer)),
-            ln_f=ResidualLayerNorm(cfg.n_embd, cfg.kernels["layernorm"], cfg.bias),
+            ln_f=ResidualLayerNorm(cfg.n_embd, cfg.kernels["layernorm"], cfg.bias, cfg.norm),
         ))
+        self.lm_head = (None if cfg.tie_head
+                        else nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False))
         self.apply(self._init_weights)
         self._param_counts = (sum(p.numel() for p in self.parameters()),
-                              self.transformer.wpe.weight.numel())
+                              cfg.block_size * cfg.n_embd if cfg.pos == "learned" else 0)
         # GPT-2: residual projections scaled by 1/sqrt(2L) so the stream's variance
         # does not grow with depth.
         for name, p in self.named_parameters():
-            if name.endswith("c_proj.weight"):
+            if name.endswith(("c_proj.weight", "down_proj.weight")):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
 
     @staticmethod
@@ -170,16 +210,24 @@ class GPT(nn.Module):
         tr = self.transformer
         positions = None if docs is None else docs.positions
         if self.config.kernels["embedding"]:
-            from fusedtrain import ops
-
-            # In place: the head (ops.linear or ops.linear_cross_entropy) hands its
-            # weight's gradient over fresh.
-            x, head_weight = ops.gpt_embedding(idx, tr.wte.weight, tr.wpe.weight,
-                                               inplace_backward=True, positions=positions)
+            from fusedtrain import ops as impl
         else:
+            impl = eager
+        if self.config.pos == "rope":  # positions enter in each attention
+            x, head_weight = impl.embedding(idx, tr.wte.weight), self.head_weight()
+        elif impl is eager:
             x, head_weight = eager.gpt_embedding(idx, tr.wte.weight, tr.wpe.weight,
                                                  positions=positions)
-        return tr.drop(x), head_weight
+        else:
+            # In place: the head (ops.linear or ops.linear_cross_entropy) hands its
+            # weight's gradient over fresh.
+            x, head_weight = impl.gpt_embedding(idx, tr.wte.weight, tr.wpe.weight,
+                                                inplace_backward=True, positions=positions)
+        return tr.drop(x), head_weight if self.config.tie_head else self.head_weight()
+
+    def head_weight(self) -> torch.Tensor:
+        """The output head's weight, (vocab, C): the token table when tied."""
+        return self.transformer.wte.weight if self.lm_head is None else self.lm_head.weight
 
     def _head_input(self, stream: torch.Tensor, delta: torch.Tensor | None = None,
                     delta_bias: torch.Tensor | None = None,
@@ -189,8 +237,7 @@ class GPT(nn.Module):
         the head's weight: (vocab, C)). head_weight: the token table as _embed returned it
         (default: the table)."""
         x, _ = self.transformer.ln_f(stream, delta, delta_bias)
-        # The head is tied to the token embedding.
-        return x, self.transformer.wte.weight if head_weight is None else head_weight
+        return x, self.head_weight() if head_weight is None else head_weight
 
     def logits(self, *last: torch.Tensor, head_weight: torch.Tensor | None = None
                ) -> torch.Tensor:
@@ -293,17 +340,20 @@ class GPT(nn.Module):
         return model
 
     def num_params(self, non_embedding: bool = True) -> int:
-        """Parameter count; with non_embedding, position embeddings are left out
-        (the token embedding stays: it is the head's weight too). Counted when the model
-        was built: FSDP later leaves each rank only its shard of the parameters."""
+        """Parameter count; with non_embedding, position embeddings are left out (the token
+        embedding stays: it is the head's weight too, or stands in for an untied head's).
+        Counted when the model was built: FSDP later leaves each rank only its shard of
+        the parameters."""
         n, wpe = self._param_counts
         return n - wpe if non_embedding else n
 
     def flops_per_token(self, seq_len: int | None = None) -> float:
-        """Training flops per token: 6N + 12 * L * H * Dh * T (PaLM appendix B), T the keys a
-        query may see (at most attention_window + 1)."""
+        """Training flops per token: 6N + 12 * L * H * Dh * T (PaLM appendix B), N the
+        parameters of matrix products (the head once: an untied token table only looks
+        rows up), T the keys a query may see (at most attention_window + 1)."""
         c = self.config
         T = seq_len or c.block_size
         if c.attention_window is not None:
             T = min(T, c.attention_window + 1)
-        return 6 * self.num_params() + 12 * c.n_layer * c.n_embd * T
+        lookups = 0 if c.tie_head else c.vocab_size * c.n_embd
+        return 6 * (self.num_params() - lookups) + 12 * c.n_layer * c.n_embd * T

@@ -23,19 +23,22 @@ def _fused_ops():
 
 
 class ResidualLayerNorm(nn.Module):
-    """LayerNorm of the residual stream, with the pending sublayer output added first.
+    """LayerNorm (or RMSNorm) of the residual stream, with the pending sublayer output added
+    first.
 
-    forward(stream, delta, delta_bias) -> (layer_norm(s), s) with s = stream + (delta
-    [+ delta_bias]); with delta=None it is a plain LayerNorm and the stream passes through.
+    forward(stream, delta, delta_bias) -> (norm(s), s) with s = stream + (delta
+    [+ delta_bias]); with delta=None it is a plain norm and the stream passes through.
     stream, delta: (B, T, C); delta_bias: (C,), the bias of the layer that made delta when
-    that layer left it out (see CausalSelfAttention.forward).
+    that layer left it out (see CausalSelfAttention.forward; LayerNorm only).
+    kind: "layernorm" (eps 1e-5, GPT-2's) or "rmsnorm" (eps 1e-6, Llama's; no bias).
     """
 
-    def __init__(self, n_embd: int, fused: bool, bias: bool = True, eps: float = 1e-5):
+    def __init__(self, n_embd: int, fused: bool, bias: bool = True, kind: str = "layernorm"):
         super().__init__()
+        self.rms = kind == "rmsnorm"
         self.weight = nn.Parameter(torch.ones(n_embd))
-        self.bias = nn.Parameter(torch.zeros(n_embd)) if bias else None
-        self.eps = eps
+        self.bias = nn.Parameter(torch.zeros(n_embd)) if bias and not self.rms else None
+        self.eps = 1e-6 if self.rms else 1e-5
         self.fused = fused
 
     def forward(
@@ -43,20 +46,27 @@ class ResidualLayerNorm(nn.Module):
         delta_bias: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         impl = _fused_ops() if self.fused else eager
+        if delta_bias is not None and (delta is None or self.rms):
+            raise ValueError("delta_bias is added only with delta, before a LayerNorm")
+        if self.rms:
+            if delta is None:
+                return impl.rms_norm(stream, self.weight, self.eps), stream
+            return impl.add_rms_norm(delta, stream, self.weight, self.eps)
         if delta is None:
-            if delta_bias is not None:
-                raise ValueError("delta_bias given without delta")
             return impl.layer_norm_stream(stream, self.weight, self.bias, self.eps)
         return impl.add_layer_norm(delta, stream, self.weight, self.bias, self.eps, delta_bias)
 
 
 class MLP(nn.Module):
-    """x: (B, T, C) -> gelu(x W_fc^T + b_fc) W_proj^T + b_proj: (B, T, C)."""
+    """x: (B, T, C) -> gelu(x W_fc^T + b_fc) W_proj^T + b_proj: (B, T, C); hidden width
+    4C unless given."""
 
-    def __init__(self, n_embd: int, fused: bool, bias: bool = True, approximate: str = "tanh"):
+    def __init__(self, n_embd: int, fused: bool, bias: bool = True, approximate: str = "tanh",
+                 hidden: int | None = None):
         super().__init__()
-        self.c_fc = nn.Linear(n_embd, 4 * n_embd, bias=bias)
-        self.c_proj = nn.Linear(4 * n_embd, n_embd, bias=bias)
+        hidden = hidden or 4 * n_embd
+        self.c_fc = nn.Linear(n_embd, hidden, bias=bias)
+        self.c_proj = nn.Linear(hidden, n_embd, bias=bias)
         self.fused = fused
         self.approximate = approximate
 
@@ -70,21 +80,39 @@ class MLP(nn.Module):
         )
 
 
+class SwiGLU(nn.Module):
+    """x: (B, T, C) -> (silu(x W_gate^T) * (x W_up^T)) W_down^T: (B, T, C), no biases
+    (Llama's MLP, its parameter names)."""
+
+    def __init__(self, n_embd: int, hidden: int, fused: bool):
+        super().__init__()
+        self.gate_proj = nn.Linear(n_embd, hidden, bias=False)
+        self.up_proj = nn.Linear(n_embd, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, n_embd, bias=False)
+        self.fused = fused
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        impl = _fused_ops() if self.fused else eager
+        return impl.swiglu_mlp(x, self.gate_proj.weight, self.up_proj.weight,
+                               self.down_proj.weight)
+
+
 class CausalSelfAttention(nn.Module):
     """x: (B, T, C) -> causal multi-head self-attention: (B, T, C).
 
     n_kv_head key/value heads (default n_head; fewer: grouped-query attention, query head h
     reading key/value head h // (n_head // n_kv_head)); c_attn's weight is
     ((n_head + 2 n_kv_head) * D, C). window: each token sees itself and the `window`
-    tokens before it (default: all before it).
-    fused_qkv: one Triton GEMM writes q, k, v as (B, H, T, D) (with n_kv_head < n_head,
-    `ops.linear` and views instead: the head-split GEMM takes three equal parts), and the
-    output projection is `ops.linear` (grouped casts, the column-sum kernel's bias
-    gradient); else one linear + split, and nn.Linear.
+    tokens before it (default: all before it). rope_base: rotary embeddings on q and k
+    (ops.rotary), at the tokens' positions (restarting per document with `docs`).
+    fused_qkv: `ops.qkv_projection` (one Triton GEMM writing q, k, v as (B, H, T, D); with
+    grouped heads or rope, `ops.linear` and views, and the rotary kernel), and the output
+    projection is `ops.linear` (grouped casts, the column-sum kernel's bias gradient);
+    else one linear + split, and nn.Linear.
     fused_attention: Triton flash attention; else `eager_attention`, "math" (the
     (T, T) matrix in memory) or "sdpa" (PyTorch's scaled_dot_product_attention).
-    Both fused with n_kv_head == n_head: one op (`ops.qkv_attention`), whose attention
-    backward also sums the projection's bias gradient.
+    Both fused with n_kv_head == n_head and no rope: one op (`ops.qkv_attention`), whose
+    attention backward also sums the projection's bias gradient.
     With `docs` (packed rows, documents.Documents) no token sees another document's:
     fused, `ops.flash_attention_varlen` over the batch's flattened tokens; else the
     eager attention with docs.seen as its mask.
@@ -93,7 +121,7 @@ class CausalSelfAttention(nn.Module):
     def __init__(
         self, n_embd: int, n_head: int, fused_qkv: bool, fused_attention: bool,
         eager_attention: str = "math", bias: bool = True, n_kv_head: int | None = None,
-        window: int | None = None,
+        window: int | None = None, rope_base: float | None = None,
     ):
         super().__init__()
         if eager_attention not in ("math", "sdpa"):
@@ -106,6 +134,7 @@ class CausalSelfAttention(nn.Module):
         self.fused_attention = fused_attention
         self.eager_attention = eager_attention
         self.window = None if window is None else (window, 0)
+        self.rope_base = rope_base
 
     def forward(self, x: torch.Tensor, out_bias: bool = True, docs: Documents | None = None
                 ) -> torch.Tensor:
@@ -116,7 +145,8 @@ class CausalSelfAttention(nn.Module):
         w, b = self.c_attn.weight, self.c_attn.bias
         if docs is not None:
             y = self._document_attention(x, w, b, docs)
-        elif self.fused_qkv and self.fused_attention and self.n_kv_head == self.n_head:
+        elif (self.fused_qkv and self.fused_attention and self.n_kv_head == self.n_head
+              and self.rope_base is None):
             # the bias gradient from the attention
             y = _fused_ops().qkv_attention(x, w, b, self.n_head, causal=True, window=self.window)
             y = y.transpose(1, 2).reshape(B, T, C)
@@ -127,24 +157,25 @@ class CausalSelfAttention(nn.Module):
             return _fused_ops().linear(y, self.c_proj.weight, bias)
         return F.linear(y, self.c_proj.weight, bias)
 
-    def _project(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None
+    def _project(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
+                 positions: torch.Tensor | None = None, token_major: bool = False
                  ) -> tuple[torch.Tensor, ...]:
-        """x (B, T, C) -> q (B, n_head, T, D), k, v (B, n_kv_head, T, D)."""
-        if self.n_kv_head == self.n_head:
-            project = (_fused_ops().qkv_projection if self.fused_qkv
-                       else eager.qkv_projection_packed)
-            return project(x, w, b, self.n_head)
-        return tuple(t.transpose(1, 2) for t in self._project_tokens(x, w, b))
-
-    def _project_tokens(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None
-                        ) -> tuple[torch.Tensor, ...]:
-        """x (B, T, C) -> q (B, T, n_head, D), k, v (B, T, n_kv_head, D): views of one
-        linear's output."""
-        B, T, C = x.shape
-        D = C // self.n_head
-        y = (_fused_ops().linear if self.fused_qkv else F.linear)(x, w, b)
-        parts = y.split([self.n_head * D, self.n_kv_head * D, self.n_kv_head * D], dim=-1)
-        return tuple(t.view(B, T, -1, D) for t in parts)
+        """x (B, T, C) -> q (B, n_head, T, D), k, v (B, n_kv_head, T, D), q and k rotated
+        at `positions` (default t) with a rope_base. token_major: views of one (B, T, ...)
+        tensor (packing the tokens is then a view too), never the head-split GEMM's
+        (B, H, T, D) output."""
+        if self.fused_qkv and token_major and self.n_kv_head == self.n_head:
+            B, T, C = x.shape
+            qkv = _fused_ops().linear(x, w, b).view(B, T, 3 * self.n_head, C // self.n_head)
+            q, k, v = qkv.transpose(1, 2).chunk(3, dim=1)
+            if self.rope_base is None:
+                return q, k, v
+            rotary = _fused_ops().rotary
+            return rotary(q, self.rope_base, positions), rotary(k, self.rope_base, positions), v
+        project = (_fused_ops().qkv_projection if self.fused_qkv
+                   else eager.qkv_projection_packed)
+        return project(x, w, b, self.n_head, self.n_kv_head, self.rope_base,
+                       None if self.rope_base is None else positions)
 
     def _attention(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
         """The projection and attention as separate ops: x (B, T, C) -> (B, H, T, D)."""
@@ -173,12 +204,11 @@ class CausalSelfAttention(nn.Module):
                             docs: Documents) -> torch.Tensor:
         """x (B, T, C) -> each document's attention on its own: (B, T, C)."""
         B, T, C = x.shape
-        q, k, v = self._project_tokens(x, w, b)
+        q, k, v = self._project(x, w, b, docs.positions, token_major=True)
         if self.fused_attention:
             cu = docs.cu_seqlens
             o = _fused_ops().flash_attention_varlen(
-                *(t.reshape(B * T, t.shape[2], t.shape[3]) for t in (q, k, v)), cu, cu, T, T,
-                causal=True, window=self.window)
+                *(t.transpose(1, 2).reshape(B * T, t.shape[1], t.shape[3]) for t in (q, k, v)),
+                cu, cu, T, T, causal=True, window=self.window)
             return o.view(B, T, C)
-        o = self._eager_attention(*(t.transpose(1, 2) for t in (q, k, v)), docs.seen)
-        return o.transpose(1, 2).reshape(B, T, C)
+        return self._eager_attention(q, k, v, docs.seen).transpose(1, 2).reshape(B, T, C)

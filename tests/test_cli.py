@@ -41,6 +41,15 @@ def test_fused_training_end_to_end(tmp_path):
     assert (tmp_path / "metrics.csv").is_file()
 
 
+@pytest.mark.slow
+def test_llama_tiny_trains_fused_and_packed(tmp_path):
+    r = _train(tmp_path, "model=llama-tiny", "fused=true", "data.pack=true",
+               "trainer.max_steps=3", "trainer.val_check_interval=3",
+               "trainer.limit_val_batches=1", "trainer.log_every_n_steps=1")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "done: 3 steps" in r.stdout
+
+
 @pytest.mark.parametrize("override,setting", [
     ("optim.lr=0", "optim.lr"), ("model.n_head=5", "model.n_head"),
     ("data.batch_size=-2", "data.batch_size"),

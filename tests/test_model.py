@@ -155,3 +155,44 @@ def test_fused_model_runs_on_the_meta_device():
     assert loss.is_meta and loss.shape == ()
     assert all(p.grad is not None and p.grad.is_meta and p.grad.shape == p.shape
                for p in model.parameters())
+
+
+LLAMA_TINY = dict(block_size=16, vocab_size=64, n_layer=2, n_head=4, n_kv_head=2, n_embd=32,
+                  bias=False, norm="rmsnorm", mlp="swiglu", mlp_hidden=48, pos="rope",
+                  tie_head=False)
+
+
+def test_llama_block_fused_equals_eager_and_has_llamas_parameters():
+    """model.norm=rmsnorm, mlp=swiglu, pos=rope, grouped heads, no biases, untied head:
+    every fused family against the eager model in fp64, loss and every gradient."""
+    eager_model = GPT(GPTConfig(**LLAMA_TINY)).double()
+    fused_model = GPT(GPTConfig(**LLAMA_TINY,
+                                kernels=dict.fromkeys(KERNEL_FAMILIES, True))).double()
+    fused_model.load_state_dict(eager_model.state_dict())
+    names = [n for n, _ in eager_model.named_parameters()]
+    assert "lm_head.weight" in names and not any("wpe" in n or "bias" in n for n in names)
+    assert "transformer.h.0.mlp.gate_proj.weight" in names
+    assert eager_model.transformer.h[0].attn.c_attn.weight.shape == ((4 + 2 * 2) * 8, 32)
+    idx, targets = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
+    losses = []
+    for model in (eager_model, fused_model):
+        loss = model.loss(idx, targets)
+        loss.backward()
+        losses.append(loss)
+    torch.testing.assert_close(losses[1], losses[0])
+    for (name, p), q in zip(eager_model.named_parameters(), fused_model.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, msg=name)
+    assert eager_model.num_params() == eager_model.num_params(non_embedding=False)
+    n = eager_model.num_params() - 64 * 32  # the untied token table only looks rows up
+    assert eager_model.flops_per_token(16) == 6 * n + 12 * 2 * 32 * 16
+
+
+def test_swiglu_hidden_default_and_llama_setting_errors():
+    assert GPTConfig(n_embd=768, n_head=12, mlp="swiglu", bias=False).mlp_hidden == 2048
+    assert GPTConfig(n_embd=64, n_head=2).mlp_hidden == 256
+    for kw, match in ((dict(mlp="swiglu"), "model.bias=false"), (dict(norm="batch"), "norm"),
+                      (dict(pos="alibi"), "model.pos"), (dict(mlp_hidden=0), "mlp_hidden"),
+                      (dict(rope_base=1.0), "rope_base"),
+                      (dict(pos="rope", n_embd=30, n_head=10), "even")):
+        with pytest.raises(ValueError, match=match):
+            GPTConfig(**kw)

@@ -66,6 +66,10 @@ def test_documents_positions_and_mask_restart_at_documents_and_rows():
         documents(cu.long(), B, T)
 
 
+LLAMA = dict(n_kv_head=2, bias=False, norm="rmsnorm", mlp="swiglu", mlp_hidden=48, pos="rope",
+             tie_head=False)
+
+
 def _model(fused: bool, **kw) -> GPT:
     cfg = GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=4, n_embd=32,
                     kernels=dict.fromkeys(KERNEL_FAMILIES, fused), **kw)
@@ -77,6 +81,8 @@ def _model(fused: bool, **kw) -> GPT:
     (False, dict(n_kv_head=2, attention_window=3, eager_attention="sdpa")),
     (True, {}),
     (True, dict(n_kv_head=1, attention_window=3)),
+    (True, dict(LLAMA, n_kv_head=4)),  # rotary positions restart too
+    (False, LLAMA),
 ])
 def test_packed_rows_give_each_document_its_own_logits(fused, kw):
     """A packed batch's logits equal those of each document run alone (fp64)."""

@@ -35,9 +35,10 @@ class GraphedLoss:
     def __init__(self, model: GPT, idx: torch.Tensor, targets: torch.Tensor, split: bool):
         tr = model.transformer
         if split:
-            self.pieces = [_Stage(model.embed, tr.wte, tr.wpe),
+            tables = [tr.wte, *([tr.wpe] if "wpe" in tr else [])]
+            self.pieces = [_Stage(model.embed, *tables),
                            *(_Stage(block, block) for block in tr.h),
-                           _Stage(model.head_loss, tr.ln_f, tr.wte)]
+                           _Stage(model.head_loss, tr.ln_f, model.lm_head or tr.wte)]
         else:
             self.pieces = [_Stage(model.loss, model)]
         self.chain = GraphChain(self.pieces, self._extras(idx, targets))
