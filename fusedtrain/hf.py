@@ -5,7 +5,8 @@ layout: transformers' GPT-2 keeps the four projection matrices of a block as Con
 weights, (in, out), the transpose of the (out, in) nn.Linear weights used here; it always
 has biases; and its vocabulary is the tokenizer's, where a fusedtrain model pads the token
 table to a multiple of 64 rows (50304 for GPT-2's 50257 tokens). Both tie the head to the
-token table. transformers is an optional extra (`pip install -e ".[hf]"`).
+token table. Models with Llama's block go to and come from LlamaForCausalLM
+(fusedtrain.hf_llama). transformers is an optional extra (`pip install -e ".[hf]"`).
 """
 
 from __future__ import annotations
@@ -44,10 +45,21 @@ def export_hf(state: dict[str, torch.Tensor], config: dict, out_dir: str | Path,
     """Write `out_dir` (config.json, model.safetensors) for
     transformers.GPT2LMHeadModel.from_pretrained. config: our GPTConfig as a dict;
     vocab_size: the tokenizer's (default: the model's, nothing cut); the config records
-    the padded size as `fusedtrain_padded_vocab_size`."""
+    the padded size as `fusedtrain_padded_vocab_size`. A model with Llama's block is
+    written for LlamaForCausalLM instead (fusedtrain.hf_llama)."""
     from safetensors.torch import save_file
     from transformers import GPT2Config
 
+    from fusedtrain import hf_llama
+
+    if hf_llama.is_llama(config):
+        return hf_llama.export_llama(state, config, out_dir, vocab_size, eos_token_id)
+    gpt2_form = {"norm": "layernorm", "mlp": "gelu", "pos": "learned", "tie_head": True}
+    other = {k: config[k] for k, v in gpt2_form.items() if config.get(k, v) != v}
+    if other or (config.get("n_kv_head") or config["n_head"]) != config["n_head"]:
+        raise ValueError(f"model settings {other or {'n_kv_head': config['n_kv_head']}}: "
+                         "neither transformers' GPT-2 nor its Llama (model.norm=rmsnorm, "
+                         "mlp=swiglu, pos=rope) holds this model")
     if not config.get("bias", True):
         raise ValueError("model.bias=false: transformers' GPT-2 always has biases; export "
                          "a model trained with model.bias=true")
@@ -70,15 +82,20 @@ def export_hf(state: dict[str, torch.Tensor], config: dict, out_dir: str | Path,
 
 
 def from_hf(source) -> tuple[dict[str, torch.Tensor], dict]:
-    """(our GPT's state_dict, GPTConfig fields) from a GPT2LMHeadModel or a local directory
-    that GPT2LMHeadModel.from_pretrained loads (no hub access)."""
-    from transformers import GPT2LMHeadModel
+    """(our GPT's state_dict, GPTConfig fields) from a GPT2LMHeadModel or LlamaForCausalLM,
+    or a local directory that AutoModelForCausalLM.from_pretrained loads as one (no hub
+    access)."""
+    from transformers import AutoModelForCausalLM
+
+    from fusedtrain.hf_llama import from_llama
 
     model = source if isinstance(source, torch.nn.Module) else \
-        GPT2LMHeadModel.from_pretrained(str(source), local_files_only=True)
+        AutoModelForCausalLM.from_pretrained(str(source), local_files_only=True)
     c = model.config
+    if getattr(c, "model_type", None) == "llama":
+        return from_llama(model)
     if getattr(c, "model_type", None) != "gpt2":
-        raise ValueError(f"from_hf: a GPT-2 model is needed, got model_type "
+        raise ValueError(f"from_hf: a GPT-2 or Llama model is needed, got model_type "
                          f"{getattr(c, 'model_type', None)!r}")
     if c.n_inner not in (None, 4 * c.n_embd):
         raise ValueError(f"from_hf: n_inner={c.n_inner}: fusedtrain's MLP is 4 x n_embd wide")

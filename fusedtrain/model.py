@@ -319,9 +319,9 @@ class GPT(nn.Module):
     @classmethod
     def from_hf(cls, source, kernels: dict[str, bool] | None = None,
                 eager_attention: str | None = None) -> GPT:
-        """A GPT with the weights of a transformers GPT2LMHeadModel, or of a local
-        directory that GPT2LMHeadModel.from_pretrained loads (fusedtrain.hf), built fused
-        or eager (`kernels`; default all eager). Its vocabulary is the model's own."""
+        """A GPT with the weights of a transformers GPT2LMHeadModel or LlamaForCausalLM, or
+        of a local directory that loads as one (fusedtrain.hf, fusedtrain.hf_llama), built
+        fused or eager (`kernels`; default all eager). Its vocabulary is the model's own."""
         from fusedtrain.hf import from_hf
 
         state, cfg = from_hf(source)

@@ -3,8 +3,9 @@
   python scripts/export.py ckpt=outputs/.../checkpoints/last.ckpt out=model.safetensors
   python scripts/export.py ckpt=... out=DIR format=hf [vocab=N]
 
-format=hf writes a directory that transformers.GPT2LMHeadModel.from_pretrained(DIR) loads
-(fusedtrain.hf; needs the [hf] extra): the token table cut to the tokenizer's vocab=N
+format=hf writes a directory that transformers.GPT2LMHeadModel.from_pretrained(DIR) loads,
+or LlamaForCausalLM for a model with Llama's block (model=llama-*; fusedtrain.hf,
+fusedtrain.hf_llama; needs the [hf] extra): the token table cut to the tokenizer's vocab=N
 rows (default: the training run's tokenizer, read from the run dir's .hydra/config.yaml
 beside checkpoints/; else the model's vocab_size).
 

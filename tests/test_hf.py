@@ -102,3 +102,45 @@ def test_from_pretrained_builds_the_eager_model_unless_told(tmp_path):
     assert all(GPT.from_pretrained(str(out), kernels={"mlp": True, "qkv": True, "attention": True,
                                                        "layernorm": True, "cross_entropy": True,
                                                        "embedding": True}).config.kernels.values())
+
+
+LLAMA = dict(n_kv_head=1, bias=False, norm="rmsnorm", mlp="swiglu", mlp_hidden=48, pos="rope",
+             rope_base=500.0)
+
+
+@pytest.mark.parametrize("tie_head", [False, True])
+def test_export_format_hf_of_a_llama_block_loads_as_llama(tmp_path, caplog, tie_head):
+    """model=llama-*: the directory LlamaForCausalLM loads with no warning, its logits ours
+    within 1e-5 in fp32 (grouped heads, rotary positions, untied or tied head)."""
+    ours, ckpt = _checkpoint(tmp_path, **LLAMA, tie_head=tie_head)
+    out = tmp_path / "hf"
+    r = _export(f"ckpt={ckpt}", f"out={out}", "format=hf", "vocab=100")
+    assert r.returncode == 0, r.stderr[-2000:]
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["vocab_size"] == 100
+    transformers.logging.enable_propagation()
+    try:
+        with caplog.at_level(logging.WARNING):
+            hf = transformers.LlamaForCausalLM.from_pretrained(out).eval()
+    finally:
+        transformers.logging.disable_propagation()
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    idx = torch.randint(0, 100, (2, 17))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(idx).logits, ours(idx)[..., :100], rtol=0, atol=1e-5)
+        back = GPT.from_hf(str(out), kernels=dict.fromkeys(KERNEL_FAMILIES, True)).eval()
+        assert back.config.n_kv_head == 1 and back.config.tie_head == tie_head
+        torch.testing.assert_close(back(idx), hf(idx).logits, rtol=0, atol=1e-4)
+
+
+def test_from_hf_refuses_a_llama_it_cannot_hold_and_export_a_half_llama():
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48,
+                                      num_hidden_layers=1, num_attention_heads=2,
+                                      rms_norm_eps=1e-6, attention_bias=True)
+    with pytest.raises(ValueError, match="attention_bias"):
+        GPT.from_hf(transformers.LlamaForCausalLM(config))
+    from fusedtrain.hf import export_hf
+
+    half = GPTConfig(vocab_size=64, n_embd=32, n_head=2, n_layer=1, norm="rmsnorm", bias=False)
+    with pytest.raises(ValueError, match="neither"):
+        export_hf(GPT(half).state_dict(), half.to_dict(), "unused")
