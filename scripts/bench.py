@@ -1,7 +1,7 @@
 """Benchmarks, every competitor in this one process, on fresh random data.
 
   python scripts/bench.py kernels [--family linear_gelu qkv attention attention_features
-                                   attention_varlen layernorm cross_entropy]
+                                   attention_varlen layernorm cross_entropy swiglu rope]
       [--out DIR]
       kernel microbenchmarks (triton.testing.do_bench medians): fused vs eager vs
       torch.compile vs the library ceiling -> DIR/kernels.json, DIR/kernels.png;

@@ -334,7 +334,8 @@ def test_kernel_report_renders_the_rows_a_gpu_run_wrote(tmp_path, capsys):
     kernels.plot_kernels(rows, tmp_path / "k.png", "title")
     assert (tmp_path / "k.png").stat().st_size > 0
     assert set(kernels.FAMILIES) == {"linear_gelu", "qkv", "attention", "attention_features",
-                                     "attention_varlen", "layernorm", "cross_entropy"}
+                                     "attention_varlen", "layernorm", "cross_entropy",
+                                     "swiglu", "rope"}
 
 
 def test_document_lengths_span_the_range_and_fill_the_total():

@@ -312,6 +312,8 @@ def bench_layernorm(rows: list[dict]) -> None:
             "layer_norm": ((x, w, b), 2, "layer_norm"),
             "add_layer_norm": ((x, r_, w, b), 4, "add_layer_norm"),
             "layer_norm_gelu": ((x, w, b), 2, "layer_norm_gelu"),
+            "rms_norm": ((x, w), 2, "rms_norm"),
+            "add_rms_norm": ((x, r_, w), 4, "add_rms_norm"),
         }
         for op, (args, n_tensors, name) in cases.items():
             fns = {"fused": getattr(ops, name), "eager": getattr(eager, name),
@@ -347,10 +349,44 @@ def bench_cross_entropy(rows: list[dict]) -> None:
         rows.append(row)
 
 
+def bench_swiglu(rows: list[dict]) -> None:
+    """swiglu_mlp at #52's shapes: fused against the eager twin and its torch.compile, with
+    the activations each saves for backward."""
+    for M, C, H in [(16384, 768, 2048), (16384, 4096, 11008)]:
+        args = (randn(M, C), randn(H, C, scale=C ** -0.5), randn(H, C, scale=C ** -0.5),
+                randn(C, H, scale=H ** -0.5))
+        fns = {"fused": ops.swiglu_mlp, "eager": eager.swiglu_mlp,
+               "compile": compiled(eager.swiglu_mlp)}
+        row = {"family": "swiglu", "shape": f"M={M} C={C} H={H}"}
+        with torch.no_grad():
+            row["fwd"] = {k: bench(lambda f=f: f(*args)) for k, f in fns.items()}
+        row["fwd_bwd"] = {k: bench(fwd_bwd(f, args)) for k, f in fns.items()}
+        row["saved_MiB"] = {k: saved_mib(f, args) for k, f in fns.items() if k != "compile"}
+        rows.append(row)
+
+
+def bench_rope(rows: list[dict]) -> None:
+    """The QKV projection with rotary q and k against the same projection without them
+    (fused, the target: <= 1.05x its time) and the eager form with rotary."""
+    for B, T, C, H, HK in [(16, 1024, 768, 12, 12), (16, 1024, 768, 12, 4),
+                           (4, 4096, 4096, 32, 8)]:
+        x = randn(B, T, C)
+        rows_w = C + 2 * HK * (C // H)
+        w = randn(rows_w, C, scale=C ** -0.5)
+        fns = {"fused": lambda x, w: ops.qkv_projection(x, w, None, H, HK, 10000.0),
+               "fused_no_rope": lambda x, w: ops.qkv_projection(x, w, None, H, HK),
+               "eager": lambda x, w: eager.qkv_projection_packed(x, w, None, H, HK, 10000.0)}
+        row = {"family": "rope", "shape": f"B={B} T={T} C={C} H={H} HK={HK}"}
+        with torch.no_grad():
+            row["fwd"] = {k: bench(lambda f=f: f(x, w)) for k, f in fns.items()}
+        row["fwd_bwd"] = {k: bench(fwd_bwd(f, (x, w))) for k, f in fns.items()}
+        rows.append(row)
+
+
 FAMILIES = {"linear_gelu": bench_linear_gelu, "qkv": bench_qkv, "attention": bench_attention,
             "attention_features": bench_attention_features,
             "attention_varlen": bench_attention_varlen, "layernorm": bench_layernorm,
-            "cross_entropy": bench_cross_entropy}
+            "cross_entropy": bench_cross_entropy, "swiglu": bench_swiglu, "rope": bench_rope}
 
 
 
