@@ -1,6 +1,7 @@
 """Compile the attention kernels' autotune configs, the persistent TMA GEMMs (the
-Linear+GELU/MLP and QKV kernels) at their table's tiles and the embedding kernels (as
-gpt_embedding runs them: token and position rows, fp32 tables), for a Hopper GPU (sm_90) on a
+Linear+GELU/MLP and QKV kernels) at their table's tiles, the SwiGLU GEMMs at their
+autotune candidates, the rotary kernel and the embedding kernels (as gpt_embedding runs
+them for packed rows: token and position ids, fp32 tables), for a Hopper GPU (sm_90) on a
 machine without one, and print what each costs in registers, stack (register spills) and
 shared memory per config: a look at register pressure, and a check that the GPU's Triton
 compiles them at all, before spending device time.
@@ -15,6 +16,7 @@ triton==3.6.0`): the figures guide, the GPU decides.
   python scripts/compile_report.py [--head-dim 128] [--softcap] [--grouped] [--varlen]
       [--bias-sums]
       [--kernels fwd dkdv dq linear_gelu_fwd dgelu gelu_rhs qkv_fwd qkv_dx qkv_dw emb_fwd emb_bwd
+                 swiglu_fwd dswiglu swiglu_rhs rope
                  linear_gelu_fwd_ws dgelu_ws qkv_fwd_ws ce_smem]
 
 The last four are Gluon kernels (the warp-specialised GEMMs of kernels.gemm_gluon and the
@@ -49,6 +51,9 @@ from fusedtrain.kernels import attention_bwd as AB  # noqa: E402
 from fusedtrain.kernels import embedding as E  # noqa: E402
 from fusedtrain.kernels import linear_gelu as LG  # noqa: E402
 from fusedtrain.kernels import qkv as Q  # noqa: E402
+from fusedtrain.kernels import rope as R  # noqa: E402
+from fusedtrain.kernels import swiglu as SW  # noqa: E402
+from fusedtrain.kernels._gemm import gemm_configs  # noqa: E402
 from fusedtrain.kernels._tma import GLUON_TRITON, tma_config  # noqa: E402
 from fusedtrain.kernels.gelu import FAST_TANH  # noqa: E402
 
@@ -82,7 +87,7 @@ def _table_config() -> triton.Config:
 # The embedding kernels' one tile, and their pointers: int64 ids, fp32 tables and gradients.
 _EMB_CONFIG = [triton.Config({"BLOCK_T": E._BLOCK_T, "BLOCK_C": E._BLOCK_C},
                              num_warps=E._WARPS)]
-_EMB_POINTERS = {"idx_ptr": "*i64", **dict.fromkeys(
+_EMB_POINTERS = {"idx_ptr": "*i64", "pid_ptr": "*i64", **dict.fromkeys(
     ["w_ptr", "pos_ptr", "x_ptr", "dy_ptr", "dw_ptr", "dpos_ptr"], "*fp32")}
 
 # name -> (kernel, configs, pointer types that differ from argument_type's default)
@@ -98,7 +103,12 @@ KERNELS = {"fwd": (A._attn_fwd_kernel, (A.FWD_CONFIGS, A.FWD_HEAD_256), {}),
            "qkv_dx": (Q._qkv_dx_tma_kernel, [_table_config()], {}),
            "qkv_dw": (Q._qkv_dw_tma_kernel, [_table_config()], {}),
            "emb_fwd": (E._embedding_fwd_kernel, _EMB_CONFIG, _EMB_POINTERS),
-           "emb_bwd": (E._embedding_bwd_kernel, _EMB_CONFIG, _EMB_POINTERS)}
+           "emb_bwd": (E._embedding_bwd_kernel, _EMB_CONFIG, _EMB_POINTERS),
+           "swiglu_fwd": (SW._swiglu_fwd_kernel, gemm_configs(SW._SHAPES), {}),
+           "dswiglu": (SW._matmul_dswiglu_kernel, gemm_configs(SW._SHAPES), {}),
+           "swiglu_rhs": (SW._matmul_swiglu_rhs_kernel, gemm_configs(SW._SHAPES), {}),
+           "rope": (R._rope_kernel, [triton.Config({"BLOCK_T": R._BLOCK_T, "BLOCK_D": 64})],
+                    {"pos_ptr": "*i64", "freq_ptr": "*fp32"})}
 
 
 # Gluon kernels (name -> (module in fusedtrain.kernels, kernel, pointer types)), as the gpt2
@@ -268,7 +278,8 @@ def main(argv: list[str] | None = None) -> None:
                       ACC=tl.float32, PRECISION="tf32",
                       BLOCK_D=args.head_dim, TMA=True, BIAS_SUMS=args.bias_sums,
                       GRAIN=A.BIAS_GRAIN, HAS_BIAS=True, STORE_H=True, APPROX=FAST_TANH.value,
-                      COL_SUMS=True, STREAM_K=True, POSITIONS=True,
+                      COL_SUMS=True, STREAM_K=True, POSITIONS=True, POSITION_IDS=True,
+                      STORE_GU=True, INVERSE=False,
                       HEAD_D=args.head_dim if args.head_dim in (block_n // 2, block_n // 4) else 0)
     print(f"triton {triton.__version__}, target sm_90, bf16, head dim {args.head_dim}, "
           f"softcap {args.softcap}, grouped {args.grouped}, varlen {args.varlen}")

@@ -91,12 +91,15 @@ def gemm_tile(a_ptr, b_ptr, M, N, K, s_am, s_ak, s_bk, s_bn,
     return acc, offs_m, offs_n, mask
 
 
-def gemm_configs() -> list[triton.Config]:
-    """Hopper-leaning GEMM tilings for the autotuner (bf16/fp16; the fp32 ones that do
-    not fit in shared memory are skipped by the autotuner)."""
-    shapes = [(128, 256, 64, 3, 8), (256, 128, 64, 3, 8), (128, 128, 64, 4, 4),
-              (128, 128, 64, 3, 8), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4),
-              (64, 64, 64, 4, 4), (128, 128, 32, 4, 4)]
+GEMM_SHAPES = [(128, 256, 64, 3, 8), (256, 128, 64, 3, 8), (128, 128, 64, 4, 4),
+               (128, 128, 64, 3, 8), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4),
+               (64, 64, 64, 4, 4), (128, 128, 32, 4, 4)]
+
+
+def gemm_configs(shapes: list[tuple[int, ...]] = GEMM_SHAPES) -> list[triton.Config]:
+    """Hopper-leaning GEMM tilings (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps) for the
+    autotuner (bf16/fp16; the fp32 ones that do not fit in shared memory are skipped by
+    the autotuner)."""
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8},
                           num_stages=s, num_warps=w) for m, n, k, s, w in shapes]
 

@@ -35,13 +35,21 @@ from fusedtrain.kernels._primitives import device_fn, sigmoid, tile_ptrs
 from fusedtrain.kernels._tma import k_splits
 from fusedtrain.kernels._tuning import autotune
 
+# Two (BLOCK_M, BLOCK_N) fp32 tiles live at once in each kernel (two accumulators, or the
+# accumulator and g, u in the epilogue): at most 128 x 128 over 8 warps. compile_report's
+# sm_90 build (triton 3.9) of GEMM_SHAPES' 256-wide and 4-warp 128 x 128 tiles spilled
+# 2.9-5.6 KB a thread; these spill at most 1.6 KB (the dh GEMM at 128 x 128), the 64 x 64
+# tiles none.
+_SHAPES = [(128, 128, 64, 3, 8), (128, 128, 32, 4, 8), (128, 64, 64, 4, 4),
+           (64, 128, 64, 4, 4), (64, 64, 64, 4, 4)]
+
 
 @device_fn
 def _swiglu(g, u):
     return g * sigmoid(g) * u
 
 
-@autotune(gemm_configs(), key=["M", "N", "K"], interpret=INTERPRET_GEMM, wide=WIDE_GEMM)
+@autotune(gemm_configs(_SHAPES), key=["M", "N", "K"], interpret=INTERPRET_GEMM, wide=WIDE_GEMM)
 @triton.jit
 def _swiglu_fwd_kernel(
     x_ptr, wg_ptr, wu_ptr, g_ptr, u_ptr, h_ptr, M, N, K,
@@ -78,7 +86,7 @@ def _swiglu_fwd_kernel(
              _swiglu(acc_g, acc_u).to(h_ptr.dtype.element_ty), mask=mask)
 
 
-@autotune(gemm_configs(), key=["M", "N", "K"], interpret=INTERPRET_GEMM, wide=WIDE_GEMM)
+@autotune(gemm_configs(_SHAPES), key=["M", "N", "K"], interpret=INTERPRET_GEMM, wide=WIDE_GEMM)
 @triton.jit
 def _matmul_dswiglu_kernel(
     dy_ptr, w_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, M, N, K,
@@ -97,7 +105,8 @@ def _matmul_dswiglu_kernel(
              (dh * u * s * (1.0 + g * (1.0 - s))).to(dg_ptr.dtype.element_ty), mask=mask)
 
 
-@autotune(gemm_configs(), key=["M", "N", "K_SPLIT"], interpret=INTERPRET_GEMM, wide=WIDE_GEMM)
+@autotune(gemm_configs(_SHAPES), key=["M", "N", "K_SPLIT"], interpret=INTERPRET_GEMM,
+          wide=WIDE_GEMM)
 @triton.jit
 def _matmul_swiglu_rhs_kernel(
     a_ptr, g_ptr, u_ptr, c_ptr, M, N, K, K_SPLIT,
