@@ -59,12 +59,21 @@ def op_cases(device: str) -> dict[str, list[tuple[str, Callable[[], tuple]]]]:
     cases["qkv"].append(("qkv_projection", lambda: (
         lambda *t: ops.qkv_projection(*t, 3), (r(2, 5, 12), r(36, 12), r(36)))))
     cases["qkv"].append(("linear", lambda: (ops.linear, (r(2, 5, 12), r(7, 12), r(7)))))
+    positions = torch.tensor([[0, 1, 2, 0, 1], [4, 0, 1, 2, 3]], device=device)
+    cases["qkv"].append(("qkv_projection[grouped, rope]", lambda: (
+        lambda *t: ops.qkv_projection(*t, 3, 1, 500.0, positions),
+        (r(2, 5, 12), r(20, 12), r(20)))))
+    cases["mlp"].append(("swiglu_mlp", lambda: (
+        ops.swiglu_mlp, (r(5, 7), r(9, 7), r(9, 7), r(6, 9)))))
     for causal in (True, False):
         cases["attention"].append((f"flash_attention[causal={causal}]", lambda c=causal: (
             lambda *t: ops.flash_attention(*t, causal=c), (r(2, 2, 13, 16), r(2, 2, 13, 16),
                                                            r(2, 2, 13, 16)))))
     cases["attention"].append(("qkv_attention", lambda: (
         lambda *t: ops.qkv_attention(*t, 3), (r(2, 5, 12), r(36, 12), r(36)))))
+    cases["layernorm"].append(("rms_norm", lambda: (ops.rms_norm, (r(3, 5, 13), r(13)))))
+    cases["layernorm"].append(("add_rms_norm", lambda: (
+        ops.add_rms_norm, (r(3, 5, 13), r(3, 5, 13), r(13)))))
     cases["layernorm"].append(("layer_norm", lambda: (
         ops.layer_norm, (r(3, 5, 13), r(13), r(13)))))
     cases["layernorm"].append(("layer_norm_stream", lambda: (
@@ -77,6 +86,8 @@ def op_cases(device: str) -> dict[str, list[tuple[str, Callable[[], tuple]]]]:
     ids = torch.tensor([[3, 0, 3], [9, 3, 1]], device=device)  # repeated ids add up
     cases["embedding"].append(("embedding", lambda: (
         lambda w: ops.embedding(ids, w), (r(11, 6),))))
+    cases["embedding"].append(("gpt_embedding[positions]", lambda: (
+        lambda w, p: ops.gpt_embedding(ids, w, p, positions=ids % 2)[0], (r(11, 6), r(4, 6)))))
     targets = torch.tensor([[3, 0, 10], [-100, 7, 1]], device=device)
     cases["cross_entropy"].append(("cross_entropy", lambda: (
         lambda logits: ops.cross_entropy(logits, targets), (r(2, 3, 11),))))
