@@ -31,7 +31,7 @@ WIDTH, HEADS, VOCAB = 768, 12, 50304
 def op_cases(B: int, T: int) -> dict[str, tuple[Callable, Callable, list]]:
     """name -> (fused op, eager twin, inputs) for every public op at (B, T, 768)."""
     C, H, V = WIDTH, HEADS, VOCAB
-    D = C // H
+    D, F = C // H, 8 * C // 3  # F: llama-124m's SwiGLU width, 2048 at 768
     x, r, w, b = randn(B, T, C), randn(B, T, C), randn(C), randn(C)
     fc_w, fc_b = randn(4 * C, C, scale=C ** -0.5), randn(4 * C)
     proj_w, proj_b = randn(C, 4 * C, scale=(4 * C) ** -0.5), randn(C)
@@ -55,6 +55,12 @@ def op_cases(B: int, T: int) -> dict[str, tuple[Callable, Callable, list]]:
         "layer_norm_stream": (ops.layer_norm_stream, eager.layer_norm_stream, [x, w, b]),
         "add_layer_norm": (ops.add_layer_norm, eager.add_layer_norm, [x, r, w, b]),
         "layer_norm_gelu": (ops.layer_norm_gelu, eager.layer_norm_gelu, [x, w, b]),
+        "rms_norm": (ops.rms_norm, eager.rms_norm, [x, w]),
+        "add_rms_norm": (ops.add_rms_norm, eager.add_rms_norm, [x, r, w]),
+        "swiglu_mlp": (ops.swiglu_mlp, eager.swiglu_mlp,
+                       [x, *(randn(F, C, scale=C ** -0.5) for _ in range(2)),
+                        randn(C, F, scale=F ** -0.5)]),
+        "rotary": (lambda t: ops.rotary(t, 10000.0), lambda t: eager.rotary(t, 10000.0), [q]),
         "cross_entropy": (ops.cross_entropy, eager.cross_entropy, [logits, targets]),
         "linear_cross_entropy": (ops.linear_cross_entropy, eager.linear_cross_entropy,
                                  [x.view(B * T, C), head_w, targets]),
