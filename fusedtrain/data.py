@@ -316,10 +316,24 @@ class PackedWindows(RandomWindows):
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         x, y = super().__getitem__(i)
-        ends = x == self.eot
-        starts = torch.ones_like(ends)
-        starts[1:] = ends[:-1]
-        return x, y.masked_fill(ends, IGNORE_INDEX), starts
+        return x, *mark_documents(x, y, self.eot)
+
+
+def mark_documents(x: torch.Tensor, y: torch.Tensor, eot: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, y: (..., T) inputs and next-token targets -> (y with IGNORE_INDEX where x holds
+    `eot`, starts: bool, true at 0 and after each `eot` along the last dim)."""
+    ends = x == eot
+    starts = torch.ones_like(ends)
+    starts[..., 1:] = ends[..., :-1]
+    return y.masked_fill(ends, IGNORE_INDEX), starts
+
+
+def cu_seqlens_of(starts: torch.Tensor) -> torch.Tensor:
+    """starts: (B, T) bool -> int32 (n + 1,): the flattened index of each of the n true
+    entries (every row's first among them), then B * T."""
+    first = torch.nonzero(starts.reshape(-1)).reshape(-1)
+    return torch.cat([first, first.new_tensor([starts.numel()])]).to(torch.int32)
 
 
 def pack_collate(samples: list[tuple[torch.Tensor, ...]]
@@ -328,9 +342,7 @@ def pack_collate(samples: list[tuple[torch.Tensor, ...]]
     token of each of the batch's n documents in its B * T flattened tokens, then B * T;
     every row starts a document, so none crosses a row."""
     x, y, starts = (torch.stack(column) for column in zip(*samples))
-    first = torch.nonzero(starts.reshape(-1)).reshape(-1)
-    cu_seqlens = torch.cat([first, first.new_tensor([starts.numel()])]).to(torch.int32)
-    return x, y, cu_seqlens
+    return x, y, cu_seqlens_of(starts)
 
 
 class SkipSampler(torch.utils.data.Sampler):

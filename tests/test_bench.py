@@ -477,3 +477,19 @@ def test_interleaved_blocks_alternate_the_runs_and_take_each_median(monkeypatch)
     assert order == [("a", 10), ("b", 10), ("b", 10), ("a", 10),
                      ("a", 10), ("b", 10), ("b", 10), ("a", 10)]
     assert got == {"a": 5.0, "b": 6.0}
+
+
+def test_packed_variant_trains_on_the_windows_documents():
+    """bench.py train --data stdlib: the packed variants train the same windows with their
+    documents (targets across a boundary ignored), here the eager one on the CPU; without
+    documents (synthetic data) they are not offered."""
+    from fusedtrain.bench import training
+
+    assert "fused-packed" not in training.train_variants(False)
+    variant = training.train_variants(False, documents=True)["eager-sdpa-packed"]
+    model, step, data = training.train_setup("tiny", 2, 64, 2, variant, "cpu", "stdlib")
+    assert torch.isfinite(step(0))
+    batch = torch.tensor([[5, 0, 7, 8, 0], [1, 2, 0, 0, 3]])  # byte 0 ends a document
+    targets, cu = training._documents(batch)
+    assert targets.tolist() == [[0, -100, 8, 0], [2, 0, -100, -100]]
+    assert cu.tolist() == [0, 2, 4, 7, 8]

@@ -22,9 +22,11 @@ from fusedtrain.training.mfu import peak_flops
 MODEL_CONFIGS = Path(__file__).resolve().parents[2] / "conf" / "model"  # Hydra's model group
 
 
-def train_variants(ablation: bool, compile_mode: str = "default") -> dict[str, dict]:
+def train_variants(ablation: bool, compile_mode: str = "default",
+                   documents: bool = False) -> dict[str, dict]:
     """name -> {kernels, eager_attention, compile}; compile is False or a torch.compile
-    mode, the same for every compiled variant."""
+    mode, the same for every compiled variant. documents: the data has them (stdlib), and
+    the packed variants are included."""
     from fusedtrain.model import KERNEL_FAMILIES
 
     none = dict.fromkeys(KERNEL_FAMILIES, False)
@@ -46,6 +48,11 @@ def train_variants(ablation: bool, compile_mode: str = "default") -> dict[str, d
     # replayed: the GPU work of `fused` without the host's per-launch cost. Last: in one
     # H200 run, two plain variants timed after these captures in the same process ran 2.2x
     # and 2.4x slower than in a fresh one (docs/journal.md).
+    if documents:  # data.pack=true on the same windows: its ratio to `fused` is its cost
+        v["fused-packed"] = dict(kernels=every, eager_attention="sdpa", compile=False,
+                                 pack=True)
+        v["eager-sdpa-packed"] = dict(kernels=none, eager_attention="sdpa", compile=False,
+                                      pack=True)
     v["fused-graph"] = dict(kernels=every, eager_attention="sdpa", compile=False, graph=True)
     v["eager-sdpa-graph"] = dict(kernels=none, eager_attention="sdpa", compile=False, graph=True)
     if ablation:
@@ -111,16 +118,22 @@ def train_setup(model_name: str, batch: int, seq: int, n_batches: int, variant: 
                       optimizer=variant.get("optimizer", "auto"))
     opt = build_optimizer(model.parameters(), plan, lr=1e-4)
     data = training_batches(data_source, n_batches, batch, seq, cfg.vocab_size, device, seed)
+    packed = variant.get("pack", False)
+    if packed and (data_source == "synthetic" or whole_step_graph):
+        raise ValueError("a packed variant needs documents (--data stdlib) and no CUDA graph")
+    docs = [_documents(b) for b in data] if packed else None
     # Autocast's weight-cast cache would hold tensors made during capture; graphs need it off.
     amp = torch.autocast(device, dtype=torch.bfloat16, enabled=autocast,
                          cache_enabled=not whole_step_graph)
 
-    def train_on(batch: torch.Tensor) -> torch.Tensor:
-        """batch: (B, T + 1) tokens -> the loss, after backward and the optimizer step."""
+    def train_on(batch: torch.Tensor, *documents: torch.Tensor) -> torch.Tensor:
+        """batch: (B, T + 1) tokens, documents: () or packed rows' (targets, cu_seqlens)
+        -> the loss, after backward and the optimizer step."""
         if graphs:  # CUDA-graph replays reuse their output memory: one step per replay
             torch.compiler.cudagraph_mark_step_begin()
+        targets, *cu_seqlens = documents or (batch[:, 1:],)
         with amp:
-            loss = loss_fn(batch[:, :-1], batch[:, 1:])
+            loss = loss_fn(batch[:, :-1], targets, *cu_seqlens)
         loss.backward()
         opt.step()
         # Also in the captured step: backward then makes each .grad afresh (at the same
@@ -131,7 +144,18 @@ def train_setup(model_name: str, batch: int, seq: int, n_batches: int, variant: 
 
     if whole_step_graph:
         return model, capture_step(train_on, data), data
+    if packed:
+        return model, lambda i: train_on(data[i], *docs[i]).clone(), data
     return model, lambda i: train_on(data[i]).clone(), data
+
+
+def _documents(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A (B, T + 1) batch of the byte-tokenized stdlib corpus -> (targets with those across
+    a document boundary ignored, cu_seqlens): what data.pack=true's loader gives."""
+    from fusedtrain.data import ByteTokenizer, cu_seqlens_of, mark_documents
+
+    targets, starts = mark_documents(batch[:, :-1], batch[:, 1:], ByteTokenizer.eot)
+    return targets, cu_seqlens_of(starts)
 
 
 def bench_train_variant(model_name: str, batch: int, seq: int, steps: int, warmup: int,
@@ -268,7 +292,7 @@ def run_train(args, save=lambda results: None) -> dict:
     """Every variant in turn; `save(results)` after each, so an interrupted run keeps
     what it measured."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    variants = train_variants(args.ablation, args.compile_mode)
+    variants = train_variants(args.ablation, args.compile_mode, args.data != "synthetic")
     if args.variants:
         variants = {k: v for k, v in variants.items() if k in args.variants}
     _import_before_time_limits(compiled=any(v["compile"] for v in variants.values()))
