@@ -40,6 +40,16 @@ def hf_state(state: dict[str, torch.Tensor], vocab_size: int) -> dict[str, torch
     return out
 
 
+def export_vocab(config: dict, vocab_size: int | None) -> tuple[int, int]:
+    """(the model's padded vocabulary, the exported one: vocab_size, default the model's),
+    ValueError unless 0 < vocab_size <= the model's."""
+    padded = config["vocab_size"]
+    vocab = padded if vocab_size is None else vocab_size
+    if not 0 < vocab <= padded:
+        raise ValueError(f"vocab={vocab} must be in 1..{padded} (the model's vocab_size)")
+    return padded, vocab
+
+
 def export_hf(state: dict[str, torch.Tensor], config: dict, out_dir: str | Path,
               vocab_size: int | None = None, eos_token_id: int | None = None) -> None:
     """Write `out_dir` (config.json, model.safetensors) for
@@ -63,10 +73,7 @@ def export_hf(state: dict[str, torch.Tensor], config: dict, out_dir: str | Path,
     if not config.get("bias", True):
         raise ValueError("model.bias=false: transformers' GPT-2 always has biases; export "
                          "a model trained with model.bias=true")
-    padded = config["vocab_size"]
-    vocab = padded if vocab_size is None else vocab_size
-    if not 0 < vocab <= padded:
-        raise ValueError(f"vocab={vocab} must be in 1..{padded} (the model's vocab_size)")
+    padded, vocab = export_vocab(config, vocab_size)
     hf = GPT2Config(
         vocab_size=vocab, n_positions=config["block_size"], n_embd=config["n_embd"],
         n_layer=config["n_layer"], n_head=config["n_head"],

@@ -63,12 +63,11 @@ def export_llama(state: dict[str, torch.Tensor], config: dict, out_dir: str | Pa
     from safetensors.torch import save_file
     from transformers import LlamaConfig
 
+    from fusedtrain.hf import export_vocab
+
     if config.get("bias"):
         raise ValueError("model.bias=true: this Llama export holds no biases")
-    padded = config["vocab_size"]
-    vocab = padded if vocab_size is None else vocab_size
-    if not 0 < vocab <= padded:
-        raise ValueError(f"vocab={vocab} must be in 1..{padded} (the model's vocab_size)")
+    padded, vocab = export_vocab(config, vocab_size)
     hf = LlamaConfig(
         vocab_size=vocab, hidden_size=config["n_embd"], intermediate_size=config["mlp_hidden"],
         num_hidden_layers=config["n_layer"], num_attention_heads=config["n_head"],

@@ -164,14 +164,11 @@ class CausalSelfAttention(nn.Module):
         at `positions` (default t) with a rope_base. token_major: views of one (B, T, ...)
         tensor (packing the tokens is then a view too), never the head-split GEMM's
         (B, H, T, D) output."""
-        if self.fused_qkv and token_major and self.n_kv_head == self.n_head:
+        head_split = self.n_kv_head == self.n_head and self.rope_base is None
+        if self.fused_qkv and token_major and head_split:  # ops.linear and views instead
             B, T, C = x.shape
             qkv = _fused_ops().linear(x, w, b).view(B, T, 3 * self.n_head, C // self.n_head)
-            q, k, v = qkv.transpose(1, 2).chunk(3, dim=1)
-            if self.rope_base is None:
-                return q, k, v
-            rotary = _fused_ops().rotary
-            return rotary(q, self.rope_base, positions), rotary(k, self.rope_base, positions), v
+            return qkv.transpose(1, 2).chunk(3, dim=1)
         project = (_fused_ops().qkv_projection if self.fused_qkv
                    else eager.qkv_projection_packed)
         return project(x, w, b, self.n_head, self.n_kv_head, self.rope_base,

@@ -69,6 +69,19 @@ def _export(*args):
                           capture_output=True, text=True, timeout=300)
 
 
+def _loads_without_a_warning(model_class, directory, caplog):
+    """model_class.from_pretrained(directory) in eval mode, asserting that transformers
+    logged no warning (such as a load report of missing or unexpected weights)."""
+    transformers.logging.enable_propagation()  # its warnings to caplog
+    try:
+        with caplog.at_level(logging.WARNING):
+            model = model_class.from_pretrained(directory).eval()
+    finally:
+        transformers.logging.disable_propagation()
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    return model
+
+
 def test_export_format_hf_loads_in_transformers_without_a_warning(tmp_path, caplog):
     ours, ckpt = _checkpoint(tmp_path)
     out = tmp_path / "hf"
@@ -76,13 +89,7 @@ def test_export_format_hf_loads_in_transformers_without_a_warning(tmp_path, capl
     assert r.returncode == 0, r.stderr[-2000:]
     config = json.loads((out / "config.json").read_text())
     assert config["vocab_size"] == 100 and config["fusedtrain_padded_vocab_size"] == 128
-    transformers.logging.enable_propagation()  # its warnings (a load report) to caplog
-    try:
-        with caplog.at_level(logging.WARNING):
-            hf = transformers.GPT2LMHeadModel.from_pretrained(out).eval()
-    finally:
-        transformers.logging.disable_propagation()
-    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    hf = _loads_without_a_warning(transformers.GPT2LMHeadModel, out, caplog)
     idx = torch.randint(0, 100, (2, 17))
     with torch.no_grad():
         torch.testing.assert_close(hf(idx).logits, ours(idx)[..., :100], rtol=0, atol=1e-5)
@@ -118,13 +125,7 @@ def test_export_format_hf_of_a_llama_block_loads_as_llama(tmp_path, caplog, tie_
     assert r.returncode == 0, r.stderr[-2000:]
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and config["vocab_size"] == 100
-    transformers.logging.enable_propagation()
-    try:
-        with caplog.at_level(logging.WARNING):
-            hf = transformers.LlamaForCausalLM.from_pretrained(out).eval()
-    finally:
-        transformers.logging.disable_propagation()
-    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    hf = _loads_without_a_warning(transformers.LlamaForCausalLM, out, caplog)
     idx = torch.randint(0, 100, (2, 17))
     with torch.no_grad():
         torch.testing.assert_close(hf(idx).logits, ours(idx)[..., :100], rtol=0, atol=1e-5)
