@@ -158,3 +158,21 @@ def test_packed_training_resumes_where_it_stopped(tmp_path):
     straight = _train(tmp_path / "straight", tmp_path, "trainer.max_steps=6")
     assert len(first) == 3 and len(straight) == 6
     assert resumed[-3:] == pytest.approx(straight[-3:], abs=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kw", [{}, dict(LLAMA, n_kv_head=4)])
+def test_gpu_packed_rows_give_each_document_its_own_logits(kw):
+    """The fused model on the GPU in fp32 (TF32 off): a packed batch's logits equal each
+    document run alone, as on the CPU interpreter."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = _model(True, **kw).float().cuda()
+    idx = torch.randint(0, 64, (2, 16), device="cuda")
+    cu = torch.tensor([0, 5, 6, 9, 20, 32], dtype=torch.int32, device="cuda")
+    logits = model(idx, cu)
+    bounds = [0, 5, 6, 9, 16, 20, 32]
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        row, first = divmod(start, 16)
+        alone = model(idx[row:row + 1, first:end - row * 16])[0]
+        torch.testing.assert_close(logits[row, first:end - row * 16], alone, rtol=1e-4,
+                                   atol=1e-4)

@@ -81,3 +81,17 @@ def test_bad_inputs():
         ops.rotary(x.view(2, 5, 4, 6), 100.0, torch.zeros(2, 5).long())  # (B, H), not (B, T)
     with pytest.raises(ValueError, match="even"):
         ops.rotary(torch.randn(1, 1, 2, 5), 100.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,H,T,D", [(16, 12, 1024, 64), (2, 32, 4096, 128), (3, 5, 113, 80)])
+def test_gpu_bf16_rotary_within_eager_error(B, H, T, D):
+    """bf16 on the GPU against the fp64 oracle, positions restarting mid-row, the 2x rule;
+    a token-major layout kept."""
+    from conftest import check_against_oracle
+
+    x = torch.randn(B, T, H, D, device="cuda").bfloat16().transpose(1, 2).requires_grad_()
+    positions = (torch.arange(T, device="cuda") % (T // 2 + 1)).expand(B, T).contiguous()
+    check_against_oracle(lambda t: ops.rotary(t, 10000.0, positions),
+                         lambda t: eager.rotary(t, 10000.0, positions), [x], atol=1e-3)
+    assert ops.rotary(x.detach(), 10000.0).stride() == x.stride()
