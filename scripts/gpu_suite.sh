@@ -47,6 +47,12 @@ step gradcheck 300 python scripts/gradcheck.py model=gpt2 "gradcheck.parts=[mode
   "hydra.run.dir=$out/gradcheck"
 step train 550 python scripts/bench.py train --ablation --variant-timeout 200 --out "$out"
 step kernels-graph 550 python scripts/bench.py kernels --graph --out "$out"
+step kernels-llama 400 python scripts/bench.py kernels --graph --family swiglu rope \
+  --out "$out/llama"
+step train-packed 550 python scripts/bench.py train --data stdlib --variants fused \
+  fused-packed eager-sdpa eager-sdpa-packed --variant-timeout 130 --out "$out/packed"
+step train-llama 550 python scripts/bench.py train --model llama-124m --variants eager-sdpa \
+  compile-sdpa fused fused-graph --variant-timeout 130 --out "$out/llama-124m"
 step tune-tma 400 python scripts/tune_tma.py --out "$out"
 step train-graphs 400 python scripts/bench.py train --compile-mode reduce-overhead \
   --variants compile-sdpa compile-fused --variant-timeout 200 --out "$out/graphs"
