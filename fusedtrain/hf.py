@@ -64,12 +64,12 @@ def export_hf(state: dict[str, torch.Tensor], config: dict, out_dir: str | Path,
 
     if hf_llama.is_llama(config):
         return hf_llama.export_llama(state, config, out_dir, vocab_size, eos_token_id)
-    gpt2_form = {"norm": "layernorm", "mlp": "gelu", "pos": "learned", "tie_head": True}
-    other = {k: config[k] for k, v in gpt2_form.items() if config.get(k, v) != v}
-    if other or (config.get("n_kv_head") or config["n_head"]) != config["n_head"]:
-        raise ValueError(f"model settings {other or {'n_kv_head': config['n_kv_head']}}: "
-                         "neither transformers' GPT-2 nor its Llama (model.norm=rmsnorm, "
-                         "mlp=swiglu, pos=rope) holds this model")
+    gpt2_form = {"norm": "layernorm", "mlp": "gelu", "pos": "learned", "tie_head": True,
+                 "n_kv_head": config["n_head"]}
+    other = {k: config[k] for k, v in gpt2_form.items() if config.get(k) not in (None, v)}
+    if other:
+        raise ValueError(f"model settings {other}: neither transformers' GPT-2 nor its Llama "
+                         "(model.norm=rmsnorm, mlp=swiglu, pos=rope) holds this model")
     if not config.get("bias", True):
         raise ValueError("model.bias=false: transformers' GPT-2 always has biases; export "
                          "a model trained with model.bias=true")

@@ -1,5 +1,9 @@
 from __future__ import annotations
 
+import csv
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -7,6 +11,19 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 HAS_CUDA = torch.cuda.is_available()
+
+
+def train_losses(run_dir: Path, tmp_path: Path, *overrides: str
+                 ) -> tuple[subprocess.CompletedProcess, list[float]]:
+    """scripts/train.py with hydra.run.dir=run_dir, its corpus cached under tmp_path,
+    asserted to exit 0 -> (the process, the train/loss values of run_dir's metrics.csv)."""
+    cmd = [sys.executable, str(ROOT / "scripts" / "train.py"), f"hydra.run.dir={run_dir}",
+           f"data.cache_dir={tmp_path / 'cache'}", *overrides]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=tmp_path,
+                       env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    with open(run_dir / "metrics.csv") as f:
+        return r, [float(row["train/loss"]) for row in csv.DictReader(f) if row["train/loss"]]
 
 
 def pytest_collection_modifyitems(config, items):

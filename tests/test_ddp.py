@@ -1,4 +1,3 @@
-import csv
 import json
 import os
 import subprocess
@@ -7,19 +6,14 @@ import textwrap
 
 import pytest
 import torch
-from conftest import ROOT
+from conftest import ROOT, train_losses
 
 
 def _train(run_dir, tmp_path, *overrides):
-    cmd = [sys.executable, str(ROOT / "scripts" / "train.py"), f"hydra.run.dir={run_dir}",
-           f"data.cache_dir={tmp_path / 'cache'}", "data.max_files=20", "model.block_size=16",
-           "trainer.max_steps=3", "trainer.val_check_interval=3", "trainer.limit_val_batches=1",
-           "trainer.log_every_n_steps=1", "fused=true", *overrides]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=tmp_path,
-                       env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    assert r.returncode == 0, r.stderr[-3000:]
-    with open(run_dir / "metrics.csv") as f:
-        return r, [float(row["train/loss"]) for row in csv.DictReader(f) if row["train/loss"]]
+    return train_losses(run_dir, tmp_path, "data.max_files=20", "model.block_size=16",
+                        "trainer.max_steps=3", "trainer.val_check_interval=3",
+                        "trainer.limit_val_batches=1", "trainer.log_every_n_steps=1",
+                        "fused=true", *overrides)
 
 
 @pytest.mark.slow

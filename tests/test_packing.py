@@ -1,15 +1,11 @@
 """data.pack=true: windows carrying their documents, the model reading them (positions,
 attention and the loss restart at each document), fused and eager alike."""
 
-import csv
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT
+from conftest import ROOT, train_losses
 from hydra import compose, initialize_config_dir
 
 from fusedtrain.config import ConfigError, build_run_config
@@ -138,16 +134,12 @@ def test_pack_settings_that_cannot_work_are_refused():
 
 
 def _train(run_dir, tmp_path, *overrides) -> list[float]:
-    cmd = [sys.executable, str(ROOT / "scripts" / "train.py"), f"hydra.run.dir={run_dir}",
-           f"data.cache_dir={tmp_path / 'cache'}", "data.max_files=40", "model.block_size=64",
-           "data.pack=true", "fused=false", "trainer.val_check_interval=3",
-           "trainer.limit_val_batches=1", "trainer.log_every_n_steps=1", *overrides]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=tmp_path,
-                       env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    assert r.returncode == 0, r.stderr[-3000:]
+    r, losses = train_losses(run_dir, tmp_path, "data.max_files=40", "model.block_size=64",
+                             "data.pack=true", "fused=false", "trainer.val_check_interval=3",
+                             "trainer.limit_val_batches=1", "trainer.log_every_n_steps=1",
+                             *overrides)
     assert "data.pack=true: rows of 64 tokens" in r.stderr + r.stdout
-    with open(run_dir / "metrics.csv") as f:
-        return [float(row["train/loss"]) for row in csv.DictReader(f) if row["train/loss"]]
+    return losses
 
 
 @pytest.mark.slow

@@ -13,7 +13,7 @@ from fusedtrain.kernels.bias_grad import bias_grad
 from fusedtrain.ops._registry import function_apply, launcher
 from fusedtrain.ops._validate import autocast_cast, autocast_params, check_same, check_tensor
 from fusedtrain.ops.linear import linear, weight_grad
-from fusedtrain.ops.rope import checked_rope, rotary
+from fusedtrain.ops.rope import apply_rotary, checked_rope
 
 Tensor = torch.Tensor
 
@@ -172,19 +172,18 @@ def qkv_projection(x: Tensor, weight: Tensor, bias: Tensor | None, n_heads: int,
     x, weight, bias, compute_dtype = checked_args(x, weight, bias, n_heads, n_kv_heads)
     if positions is not None and rope_base is None:
         raise ValueError("positions are read only with rope_base (rotary embeddings)")
+    B, T, C = x.shape
+    D = C // n_heads
     if rope_base is not None:
-        B, T, C = x.shape
-        checked_rope(x.new_empty(B, 1, T, C // n_heads), rope_base, positions)
+        rope_base = checked_rope(rope_base, positions, B, T, D, x)
     if x.numel() == 0:
         return eager.qkv_projection(*autocast_cast(x, weight, bias), n_heads, n_kv_heads,
                                     rope_base, positions)
     if (n_kv_heads or n_heads) == n_heads and rope_base is None:
         return _apply_qkv_projection(x, weight, bias, n_heads, compute_dtype)
-    B, T, C = x.shape
-    D = C // n_heads
     kv = (n_kv_heads or n_heads) * D
     q, k, v = (t.view(B, T, -1, D).transpose(1, 2)
                for t in linear(x, weight, bias).split([C, kv, kv], dim=-1))
     if rope_base is None:
         return q, k, v
-    return rotary(q, rope_base, positions), rotary(k, rope_base, positions), v
+    return apply_rotary(q, rope_base, positions), apply_rotary(k, rope_base, positions), v

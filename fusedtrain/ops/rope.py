@@ -39,24 +39,23 @@ class RotaryFunction(torch.autograd.Function):
         return _rope(dy, ctx.base, positions, True), None, None
 
 
-_apply_rotary = function_apply(RotaryFunction)
+apply_rotary = function_apply(RotaryFunction)  # rotary's op on arguments already checked
 
 
-def checked_rope(x: Tensor, base, positions: Tensor | None) -> float:
-    """rotary's arguments for x: (B, H, T, D) (ValueError/TypeError naming them); the base
-    as a float."""
-    if x.shape[-1] % 2:
-        raise ValueError(f"rotary embeddings need an even head dim, got D={x.shape[-1]}")
+def checked_rope(base, positions: Tensor | None, B: int, T: int, D: int, ref: Tensor) -> float:
+    """Rotary arguments for (B, H, T, D) inputs on ref's device (ValueError/TypeError
+    naming them); the base as a float."""
+    if D % 2:
+        raise ValueError(f"rotary embeddings need an even head dim, got D={D}")
     if isinstance(base, bool) or not isinstance(base, (int, float)) or not (
             1 < base < math.inf):
         raise ValueError(f"rope_base must be a finite number > 1, got {base!r}")
     if positions is not None:
         check_index_tensor("positions", positions, "positions")
-        B, _, T, _ = x.shape
         if tuple(positions.shape) != (B, T):
             raise ValueError(f"positions must have shape (B, T) = ({B}, {T}), got "
                              f"{tuple(positions.shape)}")
-        check_same("x", x, same_dtype=False, positions=positions)
+        check_same("x", ref, same_dtype=False, positions=positions)
     return float(base)
 
 
@@ -66,7 +65,8 @@ def rotary(x: Tensor, base: float, positions: Tensor | None = None) -> Tensor:
     out[d] = x[d] cos - x[d + D/2] sin, out[d + D/2] = x[d + D/2] cos + x[d] sin.
     Computed in fp32 (fp64 for fp64 x); the output keeps x's layout where x is dense."""
     check_tensor("x", x, ndim=4)
-    base = checked_rope(x, base, positions)
+    B, _, T, D = x.shape
+    base = checked_rope(base, positions, B, T, D, x)
     if x.numel() == 0:
         return x.clone()
-    return _apply_rotary(x, base, positions)
+    return apply_rotary(x, base, positions)
