@@ -105,10 +105,10 @@ class CausalSelfAttention(nn.Module):
     ((n_head + 2 n_kv_head) * D, C). window: each token sees itself and the `window`
     tokens before it (default: all before it). rope_base: rotary embeddings on q and k
     (ops.rotary), at the tokens' positions (restarting per document with `docs`).
-    fused_qkv: `ops.qkv_projection` (one Triton GEMM writing q, k, v as (B, H, T, D); with
-    grouped heads or rope, `ops.linear` and views, and the rotary kernel), and the output
-    projection is `ops.linear` (grouped casts, the column-sum kernel's bias gradient);
-    else one linear + split, and nn.Linear.
+    fused_qkv: `ops.qkv_projection` (one Triton GEMM writing q, k, v as (B, H, T, D), q
+    and k rotated in its epilogue; for packed rows, `ops.linear`, views and `ops.rotary`),
+    and the output projection is `ops.linear` (grouped casts, the column-sum kernel's bias
+    gradient); else one linear + split, and nn.Linear.
     fused_attention: Triton flash attention; else `eager_attention`, "math" (the
     (T, T) matrix in memory) or "sdpa" (PyTorch's scaled_dot_product_attention).
     Both fused with n_kv_head == n_head and no rope: one op (`ops.qkv_attention`), whose
@@ -164,15 +164,20 @@ class CausalSelfAttention(nn.Module):
         at `positions` (default t) with a rope_base. token_major: views of one (B, T, ...)
         tensor (packing the tokens is then a view too), never the head-split GEMM's
         (B, H, T, D) output."""
-        head_split = self.n_kv_head == self.n_head and self.rope_base is None
-        if self.fused_qkv and token_major and head_split:  # ops.linear and views instead
+        positions = None if self.rope_base is None else positions
+        if self.fused_qkv and token_major:  # ops.linear and views instead
+            fused = _fused_ops()
             B, T, C = x.shape
-            qkv = _fused_ops().linear(x, w, b).view(B, T, 3 * self.n_head, C // self.n_head)
-            return qkv.transpose(1, 2).chunk(3, dim=1)
+            D = C // self.n_head
+            q, k, v = (t.view(B, T, -1, D).transpose(1, 2) for t in fused.linear(x, w, b).split(
+                [C, self.n_kv_head * D, self.n_kv_head * D], dim=-1))
+            if self.rope_base is None:
+                return q, k, v
+            return (fused.rotary(q, self.rope_base, positions),
+                    fused.rotary(k, self.rope_base, positions), v)
         project = (_fused_ops().qkv_projection if self.fused_qkv
                    else eager.qkv_projection_packed)
-        return project(x, w, b, self.n_head, self.n_kv_head, self.rope_base,
-                       None if self.rope_base is None else positions)
+        return project(x, w, b, self.n_head, self.n_kv_head, self.rope_base, positions)
 
     def _attention(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
         """The projection and attention as separate ops: x (B, T, C) -> (B, H, T, D)."""

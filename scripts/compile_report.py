@@ -1,7 +1,8 @@
 """Compile the attention kernels' autotune configs, the persistent TMA GEMMs (the
 Linear+GELU/MLP and QKV kernels) at their table's tiles, the SwiGLU GEMMs at their
-autotune candidates, the rotary kernel and the embedding kernels (as gpt_embedding runs
-them for packed rows: token and position ids, fp32 tables), for a Hopper GPU (sm_90) on a
+autotune candidates, the QKV forward's pointer kernel at its autotune candidates, the
+rotary kernel and the embedding kernels (as gpt_embedding runs them for packed rows:
+token and position ids, fp32 tables), for a Hopper GPU (sm_90) on a
 machine without one, and print what each costs in registers, stack (register spills) and
 shared memory per config: a look at register pressure, and a check that the GPU's Triton
 compiles them at all, before spending device time.
@@ -14,8 +15,9 @@ machine's (put that version first on PYTHONPATH, e.g. `pip install --no-deps --t
 triton==3.6.0`): the figures guide, the GPU decides.
 
   python scripts/compile_report.py [--head-dim 128] [--softcap] [--grouped] [--varlen]
-      [--bias-sums]
-      [--kernels fwd dkdv dq linear_gelu_fwd dgelu gelu_rhs qkv_fwd qkv_dx qkv_dw emb_fwd emb_bwd
+      [--bias-sums] [--rope]
+      [--kernels fwd dkdv dq linear_gelu_fwd dgelu gelu_rhs qkv_fwd qkv_fwd_pointer qkv_dx
+                 qkv_dw emb_fwd emb_bwd
                  swiglu_fwd dswiglu swiglu_rhs rope
                  linear_gelu_fwd_ws dgelu_ws qkv_fwd_ws ce_smem]
 
@@ -90,6 +92,9 @@ _EMB_CONFIG = [triton.Config({"BLOCK_T": E._BLOCK_T, "BLOCK_C": E._BLOCK_C},
 _EMB_POINTERS = {"idx_ptr": "*i64", "pid_ptr": "*i64", **dict.fromkeys(
     ["w_ptr", "pos_ptr", "x_ptr", "dy_ptr", "dw_ptr", "dpos_ptr"], "*fp32")}
 
+# Rotary embeddings' pointers: int64 positions, fp32 frequencies.
+_ROPE_POINTERS = {"pos_ptr": "*i64", "freq_ptr": "*fp32"}
+
 # name -> (kernel, configs, pointer types that differ from argument_type's default)
 # (the attention's: the candidates of head dims up to 128, then those past it; see
 # attention_configs)
@@ -99,7 +104,8 @@ KERNELS = {"fwd": (A._attn_fwd_kernel, (A.FWD_CONFIGS, A.FWD_HEAD_256), {}),
            "linear_gelu_fwd": (LG._linear_gelu_fwd_tma_kernel, [_table_config()], {}),
            "dgelu": (LG._matmul_dgelu_tma_kernel, [_table_config()], {}),
            "gelu_rhs": (LG._matmul_gelu_rhs_tma_kernel, [_table_config()], {}),
-           "qkv_fwd": (Q._qkv_fwd_tma_kernel, [_table_config()], {}),
+           "qkv_fwd": (Q._qkv_fwd_tma_kernel, [_table_config()], _ROPE_POINTERS),
+           "qkv_fwd_pointer": (Q._qkv_fwd_kernel, gemm_configs(), _ROPE_POINTERS),
            "qkv_dx": (Q._qkv_dx_tma_kernel, [_table_config()], {}),
            "qkv_dw": (Q._qkv_dw_tma_kernel, [_table_config()], {}),
            "emb_fwd": (E._embedding_fwd_kernel, _EMB_CONFIG, _EMB_POINTERS),
@@ -108,7 +114,7 @@ KERNELS = {"fwd": (A._attn_fwd_kernel, (A.FWD_CONFIGS, A.FWD_HEAD_256), {}),
            "dswiglu": (SW._matmul_dswiglu_kernel, gemm_configs(SW._SHAPES), {}),
            "swiglu_rhs": (SW._matmul_swiglu_rhs_kernel, gemm_configs(SW._SHAPES), {}),
            "rope": (R._rope_kernel, [triton.Config({"BLOCK_T": R._BLOCK_T, "BLOCK_D": 64})],
-                    {"pos_ptr": "*i64", "freq_ptr": "*fp32"})}
+                    _ROPE_POINTERS)}
 
 
 # Gluon kernels (name -> (module in fusedtrain.kernels, kernel, pointer types)), as the gpt2
@@ -267,6 +273,8 @@ def main(argv: list[str] | None = None) -> None:
                    default=[*KERNELS, *WS_KERNELS])
     p.add_argument("--bias-sums", action="store_true",
                    help="the dq kernel also sums the QKV bias gradient (ops.qkv_attention)")
+    p.add_argument("--rope", action="store_true",
+                   help="the QKV forwards rotate q and k in their epilogues")
     args = p.parse_args(argv)
     if args.inductor_sources:
         sys.exit(0 if report_inductor_sources() else 1)
@@ -279,10 +287,11 @@ def main(argv: list[str] | None = None) -> None:
                       BLOCK_D=args.head_dim, TMA=True, BIAS_SUMS=args.bias_sums,
                       GRAIN=A.BIAS_GRAIN, HAS_BIAS=True, STORE_H=True, APPROX=FAST_TANH.value,
                       COL_SUMS=True, STREAM_K=True, POSITIONS=True, POSITION_IDS=True,
-                      STORE_GU=True, INVERSE=False,
+                      STORE_GU=True, INVERSE=False, ROPE=args.rope,
                       HEAD_D=args.head_dim if args.head_dim in (block_n // 2, block_n // 4) else 0)
     print(f"triton {triton.__version__}, target sm_90, bf16, head dim {args.head_dim}, "
-          f"softcap {args.softcap}, grouped {args.grouped}, varlen {args.varlen}")
+          f"softcap {args.softcap}, grouped {args.grouped}, varlen {args.varlen}, "
+          f"rope {args.rope}")
     for name in args.kernels:
         if name in WS_KERNELS:
             if not triton.__version__.startswith(GLUON_TRITON):

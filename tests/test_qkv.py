@@ -84,6 +84,86 @@ def test_tma_weight_gradient_matches_eager(B, T, C, H, monkeypatch):
     torch.testing.assert_close(K.qkv_dw(*grads, x, config=small),
                                packed.T @ x.reshape(B * T, C))
 
+def _grouped_inputs(B, T, H, HK, D, bias=True):
+    C = H * D
+    rows = (H + 2 * HK) * D
+    x = torch.randn(B, T, C, dtype=F64)
+    w = torch.randn(rows, C, dtype=F64) / C ** 0.5
+    return x, w, torch.randn(rows, dtype=F64) if bias else None
+
+
+def _positions(B, T):
+    """Positions restarting mid-row (packed documents), one far past T."""
+    p = torch.arange(T).repeat(B, 1)
+    p[:, T // 2:] -= T // 2
+    p[-1, -1] = 5000
+    return p
+
+
+@pytest.mark.parametrize("B,T,H,HK,D,head_store", [
+    (2, 32, 4, 2, 16, True), (1, 48, 8, 4, 8, True), (2, 32, 4, 1, 16, False),
+    (2, 20, 6, 2, 8, False)])
+@pytest.mark.parametrize("rope", [None, "t", "positions"])
+def test_tma_forward_grouped_and_rotated_matches_eager(B, T, H, HK, D, head_store, rope,
+                                                       monkeypatch):
+    """The TMA forward with fewer key/value heads (32-wide tiles): segments of different
+    widths, dealt to five persistent programs; q and k rotated in the epilogue where a
+    half tile is one head (D = 16) or two (D = 8). Where k's 16 features are half a tile
+    (the third case) or a row tile crosses sequences (the last) it stores through
+    pointers, and with rotation the pointer kernel runs instead."""
+    from fusedtrain.kernels import qkv as K
+    from fusedtrain.kernels._tma import TmaConfig
+
+    monkeypatch.setattr(TmaConfig, "programs", lambda self, work, device: min(work, 5))
+    if head_store or rope is None:
+        monkeypatch.setattr(K, "_qkv_fwd_kernel", None)  # the pointer kernel must not run
+    small = TmaConfig(block_m=16, block_n=32, block_k=16, num_warps=4, num_stages=1)
+    x, w, b = _grouped_inputs(B, T, H, HK, D)
+    base = None if rope is None else 500.0
+    pos = _positions(B, T) if rope == "positions" else None
+    got = K.qkv_fwd(x, w, b, H, HK, base, pos, config=small)
+    for g, r in zip(got, eager.qkv_projection(x, w, b, H, HK, base, pos)):
+        torch.testing.assert_close(g, r)
+
+
+@pytest.mark.parametrize("rope", [None, "t", "positions"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_pointer_forward_grouped_and_rotated_matches_eager(rope, bias, monkeypatch):
+    """The pointer forward (the interpreter's one 128-wide tile): q's 96 rotation pairs
+    over two column tiles, each holding whole and cut heads' pairs, k's and v's tiles
+    half masked, two row tiles over three sequences."""
+    from fusedtrain.kernels import qkv as K
+
+    monkeypatch.setattr(K, "tma_ok", lambda *a: False)
+    B, T, H, HK, D = 3, 47, 12, 4, 16
+    x, w, b = _grouped_inputs(B, T, H, HK, D, bias)
+    base = None if rope is None else 10000.0
+    pos = _positions(B, T) if rope == "positions" else None
+    got = K.qkv_fwd(x, w, b, H, HK, base, pos)
+    for g, r in zip(got, eager.qkv_projection(x, w, b, H, HK, base, pos)):
+        torch.testing.assert_close(g, r)
+
+
+def test_backward_reads_grouped_gradients_packed_in_one_buffer():
+    """dq, dk, dv slices of one (B, T, H + 2 HK, D) buffer are read as one matrix; as three
+    tensors they are gathered; both give the eager gradients."""
+    from fusedtrain.ops.qkv import _packed
+
+    B, T, H, HK, D = 2, 5, 4, 2, 3
+    buf = torch.randn(B, T, H + 2 * HK, D, dtype=F64)
+    heads = buf.transpose(1, 2)
+    dq, dk, dv = heads[:, :H], heads[:, H:H + HK], heads[:, H + HK:]
+    g = _packed(dq, dk, dv)
+    assert g is not None and g.data_ptr() == buf.data_ptr()
+    assert _packed(dq, dv, dk) is None
+    x, w, b = (t.requires_grad_() for t in _grouped_inputs(B, T, H, HK, D))
+    for grads in ((dq, dk, dv), (dq.clone(), dk.clone(), dv)):
+        fused = torch.autograd.grad(ops.qkv_projection(x, w, b, H, HK), (x, w, b), grads)
+        ref = torch.autograd.grad(eager.qkv_projection(x, w, b, H, HK), (x, w, b), grads)
+        for a, r in zip(fused, ref):
+            torch.testing.assert_close(a, r)
+
+
 # Both ops that take x through the QKV projection: the projection alone, and the
 # projection with the attention (qkv_attention, whose tests follow further down).
 PROJECTING = ["qkv_projection", "qkv_attention"]

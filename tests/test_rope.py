@@ -67,6 +67,22 @@ def test_qkv_projection_grouped_and_rotary_gradcheck_and_twin(kw):
     assert fused[1].shape == (B, kw.get("n_kv_heads", H), T, C // H)
 
 
+def test_qkv_projection_grouped_and_rotary_under_compile():
+    """fullgraph torch.compile through the one op (positions and the base pass its fake
+    and backward), equal to the eager twin."""
+    B, T, C, H, HK = 2, 6, 16, 4, 2
+    rows = C + 2 * HK * (C // H)
+    x, w = torch.randn(B, T, C, requires_grad=True), torch.randn(rows, C, requires_grad=True)
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2], [4, 5, 0, 1, 2, 3]])
+    fn = lambda x, w, pos: ops.qkv_projection(x, w, None, H, HK, 500.0, pos)  # noqa: E731
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    outs, grads, g = grads_of(lambda x, w: compiled(x, w, positions), (x, w))
+    refs, ref_grads, _ = grads_of(
+        lambda x, w: eager.qkv_projection(x, w, None, H, HK, 500.0, positions), (x, w), g)
+    for a, r in zip((*outs, *grads), (*refs, *ref_grads)):
+        torch.testing.assert_close(a, r, rtol=1e-4, atol=1e-4)
+
+
 def test_bad_inputs():
     x, w = torch.randn(2, 5, 24, dtype=F64), torch.randn(48, 24, dtype=F64)
     with pytest.raises(ValueError, match="weight"):
@@ -95,3 +111,21 @@ def test_gpu_bf16_rotary_within_eager_error(B, H, T, D):
     check_against_oracle(lambda t: ops.rotary(t, 10000.0, positions),
                          lambda t: eager.rotary(t, 10000.0, positions), [x], atol=1e-3)
     assert ops.rotary(x.detach(), 10000.0).stride() == x.stride()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,T,C,H,HK", [(16, 1024, 768, 12, 4), (16, 1024, 768, 12, 12),
+                                        (3, 113, 400, 5, 1)])
+def test_gpu_bf16_qkv_projection_rotated_within_eager_error(B, T, C, H, HK):
+    """bf16 on the GPU, q and k rotated in the GEMM's epilogue (llama-124m's shape through
+    the TMA kernel; D = 80, T = 113 through the pointer kernel), positions restarting
+    mid-row, against the fp64 oracle: the 2x rule for outputs and gradients."""
+    from conftest import check_against_oracle
+
+    rows = C + 2 * HK * (C // H)
+    x = torch.randn(B, T, C, device="cuda").bfloat16().requires_grad_()
+    w = (torch.randn(rows, C, device="cuda") / C ** 0.5).bfloat16().requires_grad_()
+    positions = (torch.arange(T, device="cuda") % (T // 2 + 1)).expand(B, T).contiguous()
+    check_against_oracle(lambda *a: ops.qkv_projection(*a, None, H, HK, 10000.0, positions),
+                         lambda *a: eager.qkv_projection(*a, None, H, HK, 10000.0, positions),
+                         [x, w], 1e-2, 1e-2, "rotated qkv")

@@ -220,3 +220,10 @@ def tile_halves(a_desc, b_desc, tile, M, N, K, ACC: tl.constexpr, PRECISION: tl.
 def column_halves(acc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """acc[:, :BLOCK_N // 2], acc[:, BLOCK_N // 2:] of a (BLOCK_M, BLOCK_N) tile."""
     return tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+
+
+@device_fn
+def column_join(left, right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The (BLOCK_M, BLOCK_N) tile [left | right] of two (BLOCK_M, BLOCK_N // 2) halves:
+    column_halves' inverse."""
+    return tl.reshape(tl.permute(tl.join(left, right), (0, 2, 1)), (BLOCK_M, BLOCK_N))

@@ -4,9 +4,9 @@ head's dims d and d + D/2 rotated by the angle p * base ** (-2d / D) of the toke
   rope  out[d] = x[d] cos - x[d + D/2] sin, out[d + D/2] = x[d + D/2] cos + x[d] sin; with
         INVERSE the rotation by -angle, its own backward (the rotation is orthogonal).
 
-x: (B, H, T, D) with unit stride in d, any other strides; out of x's layout. Angles, cos,
-sin and the rotation in fp32 (fp64 for fp64 x), rounded once. One program a block of tokens
-of one head.
+x: (B, H, T, D) with unit stride in d, any other strides; out likewise. Angles, cos, sin
+(_primitives.sin_cos) and the rotation in fp32 (fp64 for fp64 x), rounded once. One
+program a block of tokens of one head.
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
-from fusedtrain.kernels._device import acc_dtype, ceil_div, next_pow2
+from fusedtrain.kernels._device import acc_dtype, ceil_div, next_pow2, stat_dtype
 from fusedtrain.kernels._launch import fast_launch
+from fusedtrain.kernels._primitives import sin_cos
 
 _BLOCK_T = 32
 
@@ -37,7 +38,7 @@ def _rope_kernel(x_ptr, pos_ptr, freq_ptr, o_ptr, N, T, HALF, s_xb, s_xh, s_xt, 
     p = p.to(ACC)
     inv_freq = tl.load(freq_ptr + d, mask=d < HALF, other=0.0)
     angle = p[:, None] * inv_freq[None, :]
-    cos, sin = tl.cos(angle), tl.sin(angle)
+    sin, cos = sin_cos(angle)
     if INVERSE:
         sin = -sin
     x_row = (x_ptr + b * s_xb + t * s_xt + head * s_xh)[:, None] + d[None, :]
@@ -57,17 +58,18 @@ def inv_freq(head_dim: int, base: float, device: torch.device, dtype: torch.dtyp
 
 
 def rope(x: torch.Tensor, base: float, positions: torch.Tensor | None = None,
-         inverse: bool = False) -> torch.Tensor:
-    """x: (B, H, T, D), D even -> the rotated x: (B, H, T, D) in x's layout where it is dense
-    (a (B, T, H, D) tensor's view stays one), else contiguous. positions: (B, T) ints,
-    default t along each row."""
+         inverse: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x: (B, H, T, D), D even -> the rotated x: (B, H, T, D), written into `out` (unit
+    stride in d) if given, else in x's layout where it is dense (a (B, T, H, D) tensor's
+    view stays one), else contiguous. positions: (B, T) ints, default t along each row."""
     B, H, T, D = x.shape
     if x.stride(-1) != 1:
         x = x.contiguous()
-    out = torch.empty_like(x)
+    if out is None:
+        out = torch.empty_like(x)
     pos = x if positions is None else positions.contiguous()  # not read without positions
     _rope_kernel[(ceil_div(B * T, _BLOCK_T), H)](
-        x, pos, inv_freq(D, float(base), x.device, torch.promote_types(x.dtype, torch.float32)),
+        x, pos, inv_freq(D, float(base), x.device, stat_dtype(x)),
         out, B * T, T, D // 2, x.stride(0), x.stride(1), x.stride(2),
         out.stride(0), out.stride(1), out.stride(2), POSITIONS=positions is not None,
         INVERSE=inverse, ACC=acc_dtype(x), BLOCK_T=_BLOCK_T, BLOCK_D=next_pow2(max(D // 2, 1)))

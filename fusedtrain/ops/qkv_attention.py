@@ -35,7 +35,7 @@ class QKVAttentionFunction(torch.autograd.Function):
                 compute_dtype: torch.dtype | None):
         ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
         weight, bias = cast_params(compute_dtype, weight, bias)
-        q, k, v = qkv_fwd(x, weight, bias, n_heads)
+        q, k, v = qkv_fwd(x, weight, bias, n_heads, n_heads, None, None)
         o, lse = attention_fwd(q, k, v, causal, softmax_scale, *window)
         ctx.save_for_backward(x, weight, q, k, v, o, lse)
         ctx.args = (causal, softmax_scale, *window)
@@ -46,7 +46,7 @@ class QKVAttentionFunction(torch.autograd.Function):
         x, weight, q, k, v, o, lse = ctx.saved_tensors
         w_dtype, b_dtype = ctx.dtypes
         grads, db = attention_bwd(do, q, k, v, o, lse, *ctx.args, 0.0, b_dtype)
-        dx, dw, _ = qkv_bwd(*grads.unbind(0), x, weight, w_dtype, None)
+        dx, dw, _ = qkv_bwd(*grads.unbind(0), x, weight, w_dtype, None, None, None)
         return dx, dw, None if b_dtype is None else db, None, None, None, None, None
 
 

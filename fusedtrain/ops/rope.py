@@ -39,7 +39,7 @@ class RotaryFunction(torch.autograd.Function):
         return _rope(dy, ctx.base, positions, True), None, None
 
 
-apply_rotary = function_apply(RotaryFunction)  # rotary's op on arguments already checked
+_apply_rotary = function_apply(RotaryFunction)
 
 
 def checked_rope(base, positions: Tensor | None, B: int, T: int, D: int, ref: Tensor) -> float:
@@ -69,4 +69,4 @@ def rotary(x: Tensor, base: float, positions: Tensor | None = None) -> Tensor:
     base = checked_rope(base, positions, B, T, D, x)
     if x.numel() == 0:
         return x.clone()
-    return apply_rotary(x, base, positions)
+    return _apply_rotary(x, base, positions)
