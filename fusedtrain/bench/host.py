@@ -48,6 +48,10 @@ def op_cases(B: int, T: int) -> dict[str, tuple[Callable, Callable, list]]:
         "fused_mlp": (ops.fused_mlp, eager.fused_mlp, [x, fc_w, fc_b, proj_w, proj_b]),
         "qkv_projection": (lambda *a: ops.qkv_projection(*a, H),
                            lambda *a: eager.qkv_projection(*a, H), [x, qkv_w, qkv_b]),
+        "qkv_projection_llama": (  # llama-124m's: 4 key/value heads, rotated q and k
+            lambda *a: ops.qkv_projection(*a, None, H, 4, 10000.0),
+            lambda *a: eager.qkv_projection_packed(*a, None, H, 4, 10000.0),
+            [x, randn(C + 8 * D, C, scale=C ** -0.5)]),
         "flash_attention": (ops.flash_attention, eager.flash_attention, [q, k, v]),
         "qkv_attention": (lambda *a: ops.qkv_attention(*a, H),
                           lambda *a: eager.qkv_attention(*a, H), [x, qkv_w, qkv_b]),
