@@ -203,15 +203,17 @@ def flash_attention_varlen(
 def qkv_attention(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n_heads: int,
     causal: bool = True, softmax_scale: float | None = None,
-    window: tuple[int, int] | None = None,
+    window: tuple[int, int] | None = None, n_kv_heads: int | None = None,
+    rope_base: float | None = None, positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """flash_attention(*qkv_projection(x, weight, bias, n_heads), causal, softmax_scale,
-    window).
+    """flash_attention(*qkv_projection(x, weight, bias, n_heads, n_kv_heads, rope_base,
+    positions), causal, softmax_scale, window).
 
-    x: (B, T, C), weight: (3C, C), bias: (3C,) -> o: (B, n_heads, T, C // n_heads).
+    x: (B, T, C), weight: ((n_heads + 2 n_kv_heads) D, C), bias: its rows -> o:
+    (B, n_heads, T, D), D = C // n_heads.
     """
-    return flash_attention(*qkv_projection(x, weight, bias, n_heads), causal, softmax_scale,
-                           window)
+    return flash_attention(*qkv_projection(x, weight, bias, n_heads, n_kv_heads, rope_base,
+                                           positions), causal, softmax_scale, window)
 
 
 def layer_norm(

@@ -111,8 +111,8 @@ class CausalSelfAttention(nn.Module):
     gradient); else one linear + split, and nn.Linear.
     fused_attention: Triton flash attention; else `eager_attention`, "math" (the
     (T, T) matrix in memory) or "sdpa" (PyTorch's scaled_dot_product_attention).
-    Both fused with n_kv_head == n_head and no rope: one op (`ops.qkv_attention`), whose
-    attention backward also sums the projection's bias gradient.
+    Both fused: one op (`ops.qkv_attention`), whose attention backward also sums the
+    projection's bias gradient with equal head counts and no rope.
     With `docs` (packed rows, documents.Documents) no token sees another document's:
     fused, `ops.flash_attention_varlen` over the batch's flattened tokens; else the
     eager attention with docs.seen as its mask.
@@ -145,10 +145,9 @@ class CausalSelfAttention(nn.Module):
         w, b = self.c_attn.weight, self.c_attn.bias
         if docs is not None:
             y = self._document_attention(x, w, b, docs)
-        elif (self.fused_qkv and self.fused_attention and self.n_kv_head == self.n_head
-              and self.rope_base is None):
-            # the bias gradient from the attention
-            y = _fused_ops().qkv_attention(x, w, b, self.n_head, causal=True, window=self.window)
+        elif self.fused_qkv and self.fused_attention:  # one op: one op's host cost
+            y = _fused_ops().qkv_attention(x, w, b, self.n_head, causal=True, window=self.window,
+                                           n_kv_heads=self.n_kv_head, rope_base=self.rope_base)
             y = y.transpose(1, 2).reshape(B, T, C)
         else:
             y = self._attention(x, w, b).transpose(1, 2).reshape(B, T, C)

@@ -1,11 +1,11 @@
 """Compile the attention kernels' autotune configs, the persistent TMA GEMMs (the
 Linear+GELU/MLP and QKV kernels) at their table's tiles, the SwiGLU GEMMs at their
-autotune candidates, the QKV forward's pointer kernel at its autotune candidates, the
-rotary kernel and the embedding kernels (as gpt_embedding runs them for packed rows:
-token and position ids, fp32 tables), for a Hopper GPU (sm_90) on a
-machine without one, and print what each costs in registers, stack (register spills) and
-shared memory per config: a look at register pressure, and a check that the GPU's Triton
-compiles them at all, before spending device time.
+autotune candidates and their TMA versions at their tiles, the QKV forward's pointer
+kernel at its autotune candidates, the rotary kernel and the embedding kernels (as
+gpt_embedding runs them for packed rows: token and position ids, fp32 tables), for a
+Hopper GPU (sm_90) on a machine without one, and print what each costs in registers,
+stack (register spills) and shared memory per config: a look at register pressure, and a
+check that the GPU's Triton compiles them at all, before spending device time.
 
 Triton's CUDA backend compiles without a GPU (its bundled ptxas), and the bundled
 cuobjdump reads the resources of the result. Arguments are specialised as at a benchmark
@@ -18,7 +18,7 @@ triton==3.6.0`): the figures guide, the GPU decides.
       [--bias-sums] [--rope]
       [--kernels fwd dkdv dq linear_gelu_fwd dgelu gelu_rhs qkv_fwd qkv_fwd_pointer qkv_dx
                  qkv_dw emb_fwd emb_bwd
-                 swiglu_fwd dswiglu swiglu_rhs rope
+                 swiglu_fwd dswiglu swiglu_rhs swiglu_fwd_tma dswiglu_tma swiglu_rhs_tma rope
                  linear_gelu_fwd_ws dgelu_ws qkv_fwd_ws ce_smem]
 
 The last four are Gluon kernels (the warp-specialised GEMMs of kernels.gemm_gluon and the
@@ -79,11 +79,16 @@ def argument_type(name: str, pointers: dict[str, str]) -> str:
     return "fp32" if name in ("qk_scale", "sm_scale", "cap_in", "cap_out") else "i32"
 
 
-def _table_config() -> triton.Config:
-    """The TMA GEMMs' tiles from their measured table (tma_config), at a 3072-wide output."""
-    meta = tma_config(3072).meta()
+def _tma_tiles(config) -> triton.Config:
+    """A TmaConfig as the triton.Config it launches with."""
+    meta = config.meta()
     warps, stages = meta.pop("num_warps"), meta.pop("num_stages")
     return triton.Config(meta, num_warps=warps, num_stages=stages)
+
+
+def _table_config() -> triton.Config:
+    """The TMA GEMMs' tiles from their measured table (tma_config), at a 3072-wide output."""
+    return _tma_tiles(tma_config(3072))
 
 
 # The embedding kernels' one tile, and their pointers: int64 ids, fp32 tables and gradients.
@@ -113,6 +118,10 @@ KERNELS = {"fwd": (A._attn_fwd_kernel, (A.FWD_CONFIGS, A.FWD_HEAD_256), {}),
            "swiglu_fwd": (SW._swiglu_fwd_kernel, gemm_configs(SW._SHAPES), {}),
            "dswiglu": (SW._matmul_dswiglu_kernel, gemm_configs(SW._SHAPES), {}),
            "swiglu_rhs": (SW._matmul_swiglu_rhs_kernel, gemm_configs(SW._SHAPES), {}),
+           "swiglu_fwd_tma": (SW._swiglu_fwd_tma_kernel, [_tma_tiles(SW._TMA_TILES)], {}),
+           "dswiglu_tma": (SW._matmul_dswiglu_tma_kernel, [_tma_tiles(SW._TMA_TILES)], {}),
+           "swiglu_rhs_tma": (SW._matmul_swiglu_rhs_tma_kernel, [_tma_tiles(SW._TMA_TILES)],
+                              {}),
            "rope": (R._rope_kernel, [triton.Config({"BLOCK_T": R._BLOCK_T, "BLOCK_D": 64})],
                     _ROPE_POINTERS)}
 
@@ -210,7 +219,7 @@ def resources(compiled) -> dict[str, int]:
 # The Triton (not Gluon) kernel modules, whose kernels torch.library.triton_op could hand
 # to Inductor.
 TRITON_MODULES = ("adamw", "attention", "attention_bwd", "bias_grad", "cross_entropy",
-                  "embedding", "layernorm", "linear_gelu", "qkv")
+                  "embedding", "layernorm", "linear_gelu", "qkv", "rope", "swiglu")
 
 
 def inductor_undefined(kernel: triton.runtime.jit.JITFunction) -> list[str]:

@@ -234,18 +234,19 @@ def test_gemm_paths_are_planned_per_signature_alignment_included():
     shape and strides but a base off by 8 bytes gets a plan of its own (the pointer
     kernel, not the TMA one), a deterministic-mode call a split-K plan of its own; every
     call's values match the oracle."""
+    from fusedtrain.kernels import _launch
     from fusedtrain.kernels import linear_gelu as K
 
     M, C, Hd = 70, 64, 96
     w, b = torch.randn(Hd, C, dtype=F64) / 8, torch.randn(Hd, dtype=F64)
     aligned = torch.randn(M, C, dtype=F64)
     shifted = torch.randn(1 + M * C, dtype=F64)[1:].view(M, C)
-    K._PLANS.clear()
+    _launch._PLANS.clear()
     for x in (aligned, shifted, aligned):
         y, h = K.linear_gelu_fwd(x, w, b, "none", store_h=True)
         torch.testing.assert_close(h, x @ w.t() + b)
         torch.testing.assert_close(y, torch.nn.functional.gelu(x @ w.t() + b))
-    assert sorted(plan[0] for plan in K._PLANS.values()) == ["pointer", "tma"]
+    assert sorted(plan[0] for plan in _launch._PLANS.values()) == ["pointer", "tma"]
     dy = torch.randn(M, Hd, dtype=F64)
     ref = dy.t() @ torch.nn.functional.gelu(h)
     torch.testing.assert_close(K.matmul_gelu_rhs(dy, h, "none"), ref)
@@ -254,7 +255,7 @@ def test_gemm_paths_are_planned_per_signature_alignment_included():
         torch.testing.assert_close(K.matmul_gelu_rhs(dy, h, "none"), ref)
     finally:
         torch.use_deterministic_algorithms(False)
-    assert len([key for key in K._PLANS if key[0] == "gelu_rhs"]) == 2
+    assert len([key for key in _launch._PLANS if key[0] == "gelu_rhs"]) == 2
 
 
 @pytest.mark.parametrize("M,N", [(1, 1), (203, 130)])

@@ -291,6 +291,35 @@ def test_qkv_attention_gradcheck(bias, causal):
     assert gradcheck(lambda *a: ops.qkv_attention(*a, 3, causal), inputs, fast_mode=True)
 
 
+@pytest.mark.parametrize("kw", [dict(n_kv_heads=1), dict(rope_base=100.0),
+                                dict(n_kv_heads=2, rope_base=100.0, positions="packed")])
+def test_qkv_attention_grouped_and_rotated_matches_the_twin(kw):
+    """Grouped heads and rotation through the one op (its backward: the attention's grouped
+    gradients, then the projection's own bias sums, the bias having met the rotation), with
+    a bias and a window: equal to the eager twin."""
+    x, w, b, fn, twin = _grouped_attention(kw)
+    (o,), grads, g = grads_of(fn, (x, w, b))
+    (ref,), ref_grads, _ = grads_of(twin, (x, w, b), g)
+    for a, r in zip((o, *grads), (ref, *ref_grads)):
+        torch.testing.assert_close(a, r)
+
+
+def test_qkv_attention_grouped_and_rotated_gradcheck():
+    x, w, b, fn, _ = _grouped_attention(dict(n_kv_heads=2, rope_base=100.0, positions="packed"))
+    assert gradcheck(fn, (x, w, b), fast_mode=True)
+
+
+def _grouped_attention(kw):
+    """(x, w, b, op, eager twin) at B=2, T=6, 4 query heads of D=2, window (3, 0)."""
+    B, T, H, D = 2, 6, 4, 2
+    HK = kw.get("n_kv_heads", H)
+    if kw.get("positions") == "packed":
+        kw = {**kw, "positions": torch.tensor([[0, 1, 2, 0, 1, 2], [5, 6, 0, 1, 2, 3]])}
+    x, w, b = (t.requires_grad_() for t in _grouped_inputs(B, T, H, HK, D))
+    return (x, w, b, lambda *a: ops.qkv_attention(*a, H, window=(3, 0), **kw),
+            lambda *a: eager.qkv_attention(*a, H, window=(3, 0), **kw))
+
+
 def test_qkv_attention_bad_softmax_scale_and_head_dim():
     x, w, b = _inputs(2, 5, 12)
     with pytest.raises(ValueError, match="softmax_scale"):

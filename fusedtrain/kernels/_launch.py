@@ -351,3 +351,22 @@ def operand_signature(name: str, *operands: torch.Tensor) -> tuple:
         aligned |= t.data_ptr()
     key.append(aligned & 15 == 0)
     return tuple(key)
+
+
+# A launcher's call signature (operand_signature and its flags) -> its path (Gluon, TMA or
+# pointer kernel) and what follows from it (tiles, constexprs, split-K): decided once a
+# signature, since gluon_ok and tma_ok read every operand's strides and address and the
+# split-K choice the SM count. Each launch is then planned under the same key
+# (FastLaunch.planned). A call with a tuning `config` passes no key: neither planned nor
+# kept.
+_PLANS: dict[tuple, tuple] = {}
+
+
+def plan_once(key: tuple | None, make: Callable[[], tuple]) -> tuple:
+    """make()'s plan, made once per key (every call without one)."""
+    if key is None:
+        return make()
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _PLANS[key] = make()
+    return plan

@@ -20,8 +20,6 @@ sm_90 GPU the forward and dGELU GEMMs run instead as warp-specialised Gluon kern
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import triton
 import triton.language as tl
@@ -29,7 +27,7 @@ import triton.language as tl
 from fusedtrain.kernels import INTERPRET
 from fusedtrain.kernels._device import acc_dtype, ceil_div, stat_dtype
 from fusedtrain.kernels._gemm import INTERPRET_GEMM, WIDE_GEMM, gemm_configs, gemm_flags, gemm_tile
-from fusedtrain.kernels._launch import fast_launch, operand_signature
+from fusedtrain.kernels._launch import fast_launch, operand_signature, plan_once
 from fusedtrain.kernels._primitives import cdiv, device_fn, tile_ptrs
 from fusedtrain.kernels._tma import (
     TmaConfig,
@@ -266,24 +264,6 @@ def _matmul_gelu_rhs_tma_kernel(
 # buffer 1/64 of dh (256 rows at 16384 tokens: one short column-sum launch).
 _GELU_BWD_TILE = (64, 128)
 
-# A launcher's call signature (the operands' shapes, strides and dtypes, whether all are
-# 16-byte aligned, the device, the flags) -> its path (Gluon, TMA or pointer kernel) and
-# what follows from it (tiles, constexprs, split-K): decided once a signature, since
-# gluon_ok and tma_ok read every operand's strides and address and the split-K choice the
-# SM count. Each launch is then planned under the same key (FastLaunch.planned). A call
-# with a tuning `config` is neither planned nor kept.
-_PLANS: dict[tuple, tuple] = {}
-
-
-def _plan(key: tuple | None, make: Callable[[], tuple]) -> tuple:
-    if key is None:
-        return make()
-    plan = _PLANS.get(key)
-    if plan is None:
-        plan = _PLANS[key] = make()
-    return plan
-
-
 def _gemm_grid(M: int, N: int):
     return lambda meta: (ceil_div(M, meta["BLOCK_M"]) * ceil_div(N, meta["BLOCK_N"]),)
 
@@ -316,7 +296,7 @@ def linear_gelu_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     b_arg = bias if bias is not None else x
     key = None if config else (*operand_signature("fwd", x, weight), bias is None, approximate,
                                store_h)
-    path, flags, cfg = _plan(key, lambda: _fwd_plan(x, weight, y, bias is not None,
+    path, flags, cfg = plan_once(key, lambda: _fwd_plan(x, weight, y, bias is not None,
                                                     approximate, store_h, config))
     if path == "gluon":
         from fusedtrain.kernels import linear_gelu_gluon  # Gluon: imported where it compiles
@@ -366,7 +346,7 @@ def matmul_dgelu(dy: torch.Tensor, w2: torch.Tensor, h: torch.Tensor, approximat
     dh = torch.empty(M, N, device=dy.device, dtype=dy.dtype)
     col_sums = sums_dtype is not None
     key = None if config else (*operand_signature("dgelu", dy, w2, h), approximate, col_sums)
-    path, flags, cfg = _plan(key, lambda: _dgelu_plan(dy, w2, h, approximate, config))
+    path, flags, cfg = plan_once(key, lambda: _dgelu_plan(dy, w2, h, approximate, config))
     if path == "gluon":
         from fusedtrain.kernels import gemm_gluon, linear_gelu_gluon
 
@@ -426,7 +406,7 @@ def matmul_gelu_rhs(dy: torch.Tensor, h: torch.Tensor, approximate: str,
     out_dtype = out_dtype or dy.dtype
     key = None if config else (*operand_signature("gelu_rhs", dy, h), approximate, out_dtype,
                                splits, torch.are_deterministic_algorithms_enabled())
-    use_tma, cfg, tiles, splits, k_split, stream_k, part_dtype, flags, programs = _plan(
+    use_tma, cfg, tiles, splits, k_split, stream_k, part_dtype, flags, programs = plan_once(
         key, lambda: _gelu_rhs_plan(dy, h, approximate, out_dtype, splits, config))
     if stream_k:
         out = torch.zeros(1, M, N, device=dy.device, dtype=part_dtype)
