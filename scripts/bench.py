@@ -8,7 +8,8 @@
       --graph times CUDA-graph replays instead (GPU time only) -> DIR/kernels-graph.*
   python scripts/bench.py train [--model gpt2] [--batch 16] [--seq 1024] [--steps 20] [--out DIR]
       training steps (forward, backward, AdamW; bf16 autocast) for the variants eager-math,
-      eager-sdpa, compile-sdpa, fused, compile-fused, fused-graph and eager-sdpa-graph
+      eager-sdpa, compile-sdpa, fused, compile-fused, compile-fused-traced (under
+      ops.trace_kernels), fused-graph and eager-sdpa-graph
       (the whole step as one CUDA graph) and, with --ablation, fused-graph-no-X (the
       graphed step with family X back to eager):
       tokens/s, step ms, MFU, peak memory -> DIR/train.json, DIR/train.png

@@ -56,8 +56,9 @@ step train-llama 550 python scripts/bench.py train --model llama-124m --variants
 step tune-tma 400 python scripts/tune_tma.py --out "$out"
 step train-graphs 400 python scripts/bench.py train --compile-mode reduce-overhead \
   --variants compile-sdpa compile-fused --variant-timeout 200 --out "$out/graphs"
-step compile-fused 300 env TORCH_LOGS=recompiles,graph_breaks python scripts/bench.py train \
-  --variants compile-sdpa compile-fused --variant-timeout 200 --out "$out/compile-fused"
+step compile-fused 450 env TORCH_LOGS=recompiles,graph_breaks python scripts/bench.py train \
+  --variants compile-sdpa compile-fused compile-fused-traced --variant-timeout 140 \
+  --out "$out/compile-fused"
 step scale-medium 550 python scripts/bench.py train --model gpt2-medium --batch 8 \
   --variants eager-sdpa compile-sdpa fused fused-graph --out "$out/gpt2-medium"
 step scale-t4096 550 python scripts/bench.py train --seq 4096 --batch 4 \

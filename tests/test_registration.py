@@ -3,16 +3,22 @@ autograd registration, AOT dispatch with dynamic shapes) with the arguments the 
 ops really give it in a forward and backward pass: what torch.compile relies on."""
 
 import logging
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fusedtrain import ops
+from fusedtrain.ops import _registry
 from fusedtrain.ops.published_cast import published_cast
 
 F64 = torch.float64
+ROOT = Path(__file__).resolve().parents[1]
 OPS = sorted(n for n in torch._C._dispatch_get_all_op_names() if n.startswith("fusedtrain::"))
 
 
@@ -161,3 +167,79 @@ def test_every_op_runs_on_meta_tensors_as_on_real_ones():
     real, meta = _every_op_forward_and_backward("cpu"), _every_op_forward_and_backward("meta")
     assert [(t.shape, t.dtype) for t in meta] == [(t.shape, t.dtype) for t in real]
     assert all(t.is_meta for t in meta)
+
+
+def test_traceable_launchers_trace_into_their_kernels(tmp_path):
+    """scripts/traced_graphs.py: under ops.trace_kernels(), each traceable launcher, traced
+    as torch.compile's functionalization traces it (fake CUDA tensors, kernels defined for
+    sm_90), leaves its Triton launches in the graph and no opaque op, and no launch copies
+    an input beyond the known ones. A launch that read an address or a plan while traced
+    fails there."""
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "traced_graphs.py")],
+                       capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "TRITON_CACHE_DIR": str(tmp_path)})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    n = len(_registry.TRACEABLE)
+    assert n >= 12 and f"{n} of {n} traceable launchers traced" in r.stdout
+
+
+def test_trace_kernels_is_refused_by_the_interpreter():
+    """Triton's interpreter cannot be traced (wrap_triton hands interpreted kernels back to
+    be called on the traced tensors): the ops stay opaque, and asking says so."""
+    with pytest.raises(RuntimeError, match="interpreter"):
+        ops.trace_kernels(True)
+    ops.trace_kernels(False)
+
+
+@pytest.mark.gpu
+def test_gpu_traced_kernels_in_inductors_code_and_equal_to_opaque():
+    """Under ops.trace_kernels(), a compiled block of traceable ops (embedding, LayerNorms,
+    rotary, cross-entropy; forward and backward) runs the kernels from Inductor's own code
+    (their names in it, no fusedtrain:: call left for them) and gives the opaque
+    compilation's loss and gradients (the same kernels, launched by another caller;
+    within bf16's rounding, as Inductor tunes their tiles itself and fuses the ops
+    between them)."""
+    from torch._inductor.utils import run_and_get_code
+
+    V, C, T = 1000, 256, 64
+    leaf = lambda *s: torch.randn(*s, device="cuda", requires_grad=True)  # noqa: E731
+    tw, pw, w, b = leaf(V, C), leaf(T, C), leaf(C), leaf(C)
+    idx = torch.randint(0, V, (4, T), device="cuda")
+
+    def loss(tw, pw, w, b):
+        with torch.autocast("cuda", torch.bfloat16):
+            x, _ = ops.gpt_embedding(idx, tw, pw)
+            y, s = ops.add_layer_norm(x, x, w, b)
+            q = ops.rotary(ops.layer_norm(s, w, b).view(4, T, 4, C // 4).transpose(1, 2), 1e4)
+            logits = (q.transpose(1, 2).reshape(4 * T, C) + y.reshape(4 * T, C)) @ tw.t()
+            return ops.cross_entropy(logits, idx.view(-1))
+
+    params = (tw, pw, w, b)
+
+    def step(fn):
+        out = fn(*params)
+        out.backward()  # compiles the backward graph inside run_and_get_code
+        return out
+
+    results = {}
+    ops.register_inductor_fallbacks()
+    for traced in (False, True):
+        torch._dynamo.reset()
+        ops.trace_kernels(traced)
+        try:
+            out, code = run_and_get_code(step, torch.compile(loss, fullgraph=True))
+        finally:
+            ops.trace_kernels(False)
+        grads = [p.grad.clone() for p in params]
+        for p in params:
+            p.grad = None
+        results[traced] = (out.detach(), grads, "\n".join(code))
+    code = results[True][2]
+    for kernel in ("_embedding_fwd_kernel", "_ln_fwd_kernel", "_ln_bwd_kernel", "_rope_kernel",
+                   "_ce_fwd_kernel", "_ce_bwd_kernel"):
+        assert kernel in code, kernel
+    assert "torch.ops.fusedtrain.layer_norm_fwd" not in code
+    assert "torch.ops.fusedtrain.layer_norm_fwd" in results[False][2]
+    torch.testing.assert_close(results[True][0], results[False][0], rtol=1e-2, atol=1e-2)
+    for got, want in zip(results[True][1], results[False][1]):
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)

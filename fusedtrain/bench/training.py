@@ -24,7 +24,7 @@ MODEL_CONFIGS = Path(__file__).resolve().parents[2] / "conf" / "model"  # Hydra'
 
 def train_variants(ablation: bool, compile_mode: str = "default",
                    documents: bool = False) -> dict[str, dict]:
-    """name -> {kernels, eager_attention, compile}; compile is False or a torch.compile
+    """name -> {kernels, eager_attention, compile, ...}; compile is False or a torch.compile
     mode, the same for every compiled variant. documents: the data has them (stdlib), and
     the packed variants are included."""
     from fusedtrain.model import KERNEL_FAMILIES
@@ -37,6 +37,9 @@ def train_variants(ablation: bool, compile_mode: str = "default",
         "compile-sdpa": dict(kernels=none, eager_attention="sdpa", compile=compile_mode),
         "fused": dict(kernels=every, eager_attention="sdpa", compile=False),
         "compile-fused": dict(kernels=every, eager_attention="sdpa", compile=compile_mode),
+        # the traceable launchers traced into their Triton launches (ops.trace_kernels)
+        "compile-fused-traced": dict(kernels=every, eager_attention="sdpa",
+                                     compile=compile_mode, trace_kernels=True),
         # The fused model as a user's own loop runs it: backward on autograd's default
         # (worker) thread, no heap freezing, torch's AdamW(fused=True) or fusedtrain's.
         "fused-user-loop": dict(kernels=every, eager_attention="sdpa", compile=False,
@@ -107,6 +110,7 @@ def train_setup(model_name: str, batch: int, seq: int, n_batches: int, variant: 
     mode = variant["compile"]
     if mode:
         ops.register_inductor_fallbacks()
+        ops.trace_kernels(variant.get("trace_kernels", False))
     loss_fn = torch.compile(model.loss, mode=None if mode == "default" else mode) if mode \
         else model.loss
     graphs = mode == "reduce-overhead"

@@ -28,9 +28,10 @@ launch options are).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import triton
@@ -56,6 +57,35 @@ DIRECT_LAUNCH = triton.__version__.split(".")[:2] == ["3", "6"]
 
 log = logging.getLogger("fusedtrain")
 _KERNELS: list[FastLaunch] = []  # every wrapped kernel, for describe()
+
+
+# Set while the op registry traces a launcher's body for torch.compile (ops/_registry.py).
+# One flag for all threads: a launch another thread makes meanwhile goes through
+# wrap_triton's own eager path, which launches the kernel as triton does.
+_TRACING = False
+
+
+@contextlib.contextmanager
+def traced_launches() -> Iterator[None]:
+    """Within: every launch is recorded for torch.compile (`torch.library.wrap_triton`:
+    Inductor emits the kernel in its own code) instead of made, and no plan is read or
+    made (the tensors are FunctionalTensors, their shapes possibly symbolic)."""
+    global _TRACING
+    before, _TRACING = _TRACING, True
+    try:
+        yield
+    finally:
+        _TRACING = before
+
+
+def tracing() -> bool:
+    return _TRACING
+
+
+def _traced(kernel, grid, args: tuple, kwargs: dict) -> None:
+    from torch.library import wrap_triton
+
+    wrap_triton(kernel)[grid](*args, **kwargs)
 
 
 class PlanMismatchError(AssertionError):
@@ -106,7 +136,7 @@ class FastLaunch:
         constexprs and the grid: all that triton specialises on but the tensors'
         16-byte alignment, which the plan checks. Without a key (None), the general path:
         kernel[grid](*args, **kwargs)."""
-        if key is None:
+        if key is None or _TRACING:
             grid, kwargs = launch()
             return self.run(grid, args, kwargs)
         if ENABLED and not CHECK_PLANS and self._launch_planned(key, None, args):
@@ -124,6 +154,8 @@ class FastLaunch:
         """kernel[grid](*args, **kwargs). Without a plan_key the call's own signature keys
         its plan: every argument but the tensors and floats by value, the tensors' dtypes,
         the keyword arguments (floats, such as a learning rate, are not specialised on)."""
+        if _TRACING:
+            return _traced(self.fn, grid, args, kwargs)
         if not ENABLED:
             return self.fn[grid](*args, **kwargs)
         if plan_key is None:
@@ -363,8 +395,8 @@ _PLANS: dict[tuple, tuple] = {}
 
 
 def plan_once(key: tuple | None, make: Callable[[], tuple]) -> tuple:
-    """make()'s plan, made once per key (every call without one)."""
-    if key is None:
+    """make()'s plan, made once per key (every call without one, and while traced)."""
+    if key is None or _TRACING:
         return make()
     plan = _PLANS.get(key)
     if plan is None:

@@ -24,6 +24,7 @@ import triton.language as tl
 
 from fusedtrain.kernels import INTERPRET
 from fusedtrain.kernels._device import acc_dtype, ceil_div, next_pow2, sm_count, stat_dtype
+from fusedtrain.kernels._launch import plan_once
 from fusedtrain.kernels._primitives import device_fn, row_sum
 from fusedtrain.kernels._tuning import cached_autotune, graph_timed
 from fusedtrain.kernels.bias_grad import column_sums
@@ -310,12 +311,6 @@ def _gelu_code(approximate: str | None, out: torch.Tensor) -> int:
     return NO_GELU if approximate is None else gelu_mode(approximate, out)
 
 
-# A launcher's call signature (shapes, strides, dtypes, flags) -> what follows from it:
-# the rows' strides, the outputs' shapes and dtypes, the backward's grid. Decided once a
-# signature, so that a call only allocates its outputs and launches.
-_PLANS: dict[tuple, tuple] = {}
-
-
 def layer_norm_fwd(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None,
                    bias: torch.Tensor | None, eps: float, approximate: str | None,
                    out_dtype: torch.dtype, stream_dtype: torch.dtype, save_stats: bool = True,
@@ -330,15 +325,16 @@ def layer_norm_fwd(x: torch.Tensor, residual: torch.Tensor | None, weight: torch
     key = (x.shape, x.stride(), x.dtype,
            (residual.stride(), residual.dtype) if has_res else None, _dtype(weight),
            _dtype(bias), _dtype(x_bias), out_dtype, stream_dtype, approximate, save_stats, rms)
-    plan = _PLANS.get(key)
-    if plan is None:
+
+    def plan():  # what follows from the signature: rows' strides, outputs' shapes, dtypes
         if rms and approximate is not None:
             raise ValueError("RMSNorm has no GELU form here")
         C = x.shape[-1]
         s_r = _row_stride(residual.shape, residual.stride()) if has_res else None
-        plan = _PLANS[key] = (x.numel() // max(C, 1), C, _row_stride(x.shape, x.stride()),
-                              s_r, tuple(x.shape), stat_dtype(x))
-    M, C, s_x, s_r, shape, stat = plan
+        return (x.numel() // max(C, 1), C, _row_stride(x.shape, x.stride()), s_r,
+                tuple(x.shape), stat_dtype(x))
+
+    M, C, s_x, s_r, shape, stat = plan_once(("layer_norm_fwd", *key), plan)
     x, s_x = _rows_in_place(x, s_x)
     if has_res:
         residual, s_r = _rows_in_place(residual, s_r)
@@ -394,17 +390,18 @@ def layer_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | Non
     key = (x.shape, x.stride(), dy.stride(), x.device, dy.dtype, x.dtype,
            (ds.stride(), ds.dtype) if ds is not None else None, _dtype(weight), _dtype(bias),
            dx_dtype, dx2_dtype, dx_sums, sums_dtype, approximate, rms)
-    plan = _PLANS.get(key)
-    if plan is None:
+
+    def plan():  # what follows from the signature: rows' strides, the grid, the outputs
         C = x.shape[-1]
         M = x.numel() // max(C, 1)
         block_c = next_pow2(C)
-        plan = _PLANS[key] = (
-            M, C, block_c, _row_stride(x.shape, x.stride()),
-            _row_stride(dy.shape, dy.stride()),
-            None if ds is None else _row_stride(ds.shape, ds.stride()), tuple(x.shape),
-            _num_programs(M, block_c, x.device), 3 if dx_sums else 2, stat_dtype(x))
-    M, C, block_c, s_x, s_dy, s_ds, shape, G, n_sums, part_dtype = plan
+        return (M, C, block_c, _row_stride(x.shape, x.stride()),
+                _row_stride(dy.shape, dy.stride()),
+                None if ds is None else _row_stride(ds.shape, ds.stride()), tuple(x.shape),
+                _num_programs(M, block_c, x.device), 3 if dx_sums else 2, stat_dtype(x))
+
+    M, C, block_c, s_x, s_dy, s_ds, shape, G, n_sums, part_dtype = plan_once(
+        ("layer_norm_bwd", *key), plan)
     x, s_x = _rows_in_place(x, s_x)
     dy, s_dy = _rows_in_place(dy, s_dy)
     if ds is not None:

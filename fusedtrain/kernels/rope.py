@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from fusedtrain.kernels._device import acc_dtype, ceil_div, next_pow2, stat_dtype
-from fusedtrain.kernels._launch import fast_launch
+from fusedtrain.kernels._launch import fast_launch, tracing
 from fusedtrain.kernels._primitives import sin_cos
 
 _BLOCK_T = 32
@@ -68,8 +68,10 @@ def rope(x: torch.Tensor, base: float, positions: torch.Tensor | None = None,
     if out is None:
         out = torch.empty_like(x)
     pos = x if positions is None else positions.contiguous()  # not read without positions
+    # traced for torch.compile, the frequencies are a traced tensor: not to be cached
+    freqs = inv_freq.__wrapped__ if tracing() else inv_freq
     _rope_kernel[(ceil_div(B * T, _BLOCK_T), H)](
-        x, pos, inv_freq(D, float(base), x.device, stat_dtype(x)),
+        x, pos, freqs(D, float(base), x.device, stat_dtype(x)),
         out, B * T, T, D // 2, x.stride(0), x.stride(1), x.stride(2),
         out.stride(0), out.stride(1), out.stride(2), POSITIONS=positions is not None,
         INVERSE=inverse, ACC=acc_dtype(x), BLOCK_T=_BLOCK_T, BLOCK_D=next_pow2(max(D // 2, 1)))

@@ -3,7 +3,7 @@ with a twin of the same name and semantics in `fusedtrain.eager`."""
 
 from fusedtrain.kernels._launch import describe
 from fusedtrain.ops import published_cast as _published_cast  # noqa: F401 (registers the op)
-from fusedtrain.ops._registry import register_inductor_fallbacks
+from fusedtrain.ops._registry import register_inductor_fallbacks, trace_kernels
 from fusedtrain.ops.attention import flash_attention, flash_attention_varlen
 from fusedtrain.ops.cross_entropy import cross_entropy, linear_cross_entropy
 from fusedtrain.ops.embedding import embedding, gpt_embedding
@@ -27,5 +27,5 @@ __all__ = [
     "flash_attention", "flash_attention_varlen", "fused_mlp", "gpt_embedding", "layer_norm",
     "layer_norm_gelu", "layer_norm_stream", "linear", "linear_cross_entropy", "linear_gelu",
     "qkv_attention", "qkv_projection", "register_inductor_fallbacks", "rms_norm", "rotary",
-    "swiglu_mlp",
+    "swiglu_mlp", "trace_kernels",
 ]

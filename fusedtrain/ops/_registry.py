@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+from fusedtrain.kernels import INTERPRET
+from fusedtrain.kernels._launch import traced_launches
+
+log = logging.getLogger("fusedtrain")
 
 
 def dispatcher_needed() -> bool:
@@ -49,6 +55,7 @@ def function_apply(fn: type[torch.autograd.Function]) -> Callable:
 
 
 _OP_NAMES: list[str] = []  # every fusedtrain:: op, in registration order
+TRACEABLE: list[str] = []  # those registered with traceable=True
 
 
 def register_inductor_fallbacks() -> None:
@@ -71,6 +78,65 @@ def register_inductor_fallbacks() -> None:
             lowering.make_fallback(op, layout_constraint=lowering.tag_to_layout_constraint(tag))
 
 
+# Whether torch.compile traces the traceable launchers' bodies, so that their Triton
+# launches appear in Inductor's generated code, or keeps every op opaque (a call through
+# the dispatcher into the launcher's Python: a compiled LayerNorm forward and a multiply
+# at 64 x 768 cost 172.7 us of host time on the lent H200 host; docs/journal.md). Set by
+# trace_kernels; off until timed on a GPU.
+_TRACE_KERNELS = False
+_AUTOGRAD_CACHE = True  # AOTAutograd's cache setting before trace_kernels turned it off
+_TRACED_LOGGED: set[str] = set()
+
+
+def trace_kernels(enabled: bool = True) -> None:
+    """Let torch.compile (AOTAutograd's functionalization) trace the launchers registered
+    with traceable=True into their Triton launches (`torch.library.wrap_triton`, as
+    torch.library.triton_op does), or keep them opaque (the default). Takes effect at the
+    next compilation. Triton's interpreter cannot be traced: wrap_triton hands an
+    interpreted kernel back to be called, and it cannot read a traced tensor."""
+    global _TRACE_KERNELS, _AUTOGRAD_CACHE
+    if enabled and INTERPRET:
+        raise RuntimeError("trace_kernels: Triton's interpreter (no CUDA device) cannot be "
+                           "traced into a compiled graph; the ops stay opaque there")
+    if bool(enabled) == _TRACE_KERNELS:
+        return
+    # AOTAutograd's cache keys on Dynamo's graph, which is the same either way: it would
+    # hand back the other choice's compilation. Off while tracing.
+    import torch._functorch.config as functorch_config
+    if enabled:
+        _AUTOGRAD_CACHE = functorch_config.enable_autograd_cache
+        functorch_config.enable_autograd_cache = False
+    else:
+        functorch_config.enable_autograd_cache = _AUTOGRAD_CACHE
+    _TRACE_KERNELS = bool(enabled)
+    log.info("torch.compile %s the fusedtrain launchers' Triton kernels",
+             "traces into" if enabled else "keeps opaque")
+
+
+def _traced_rule(name: str, fn: Callable) -> Callable:
+    """The launcher's FunctionalTensorMode rule: under trace_kernels, its body run on the
+    traced tensors (each launch recorded by wrap_triton), else the op as one node."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    known = (torch.Tensor, FakeTensor, FunctionalTensor)
+
+    def rule(mode, op, types, args, kwargs):
+        from torch.export._trace import custom_triton_ops_decomposition_disabled
+
+        if not _TRACE_KERNELS or custom_triton_ops_decomposition_disabled():
+            return mode.__torch_dispatch__(op, types, args, kwargs)
+        if any(t not in known for t in types):
+            return NotImplemented
+        if name not in _TRACED_LOGGED:
+            _TRACED_LOGGED.add(name)
+            log.info("torch.compile: fusedtrain::%s traced into its Triton launches", name)
+        with mode, traced_launches():
+            return fn(*args, **kwargs)
+
+    return rule
+
+
 # The ops' library. Defined through it rather than torch.library.custom_op: a compiled
 # graph calls each op through the dispatcher, and custom_op's Python layers around the
 # kernel (an autograd wrapper that redispatches, Dynamo's disable guard, an aliasing check
@@ -79,19 +145,28 @@ def register_inductor_fallbacks() -> None:
 _LIB = torch.library.Library("fusedtrain", "DEF")
 
 
-def launcher(name: str, mutates: tuple[str, ...] = ()) -> Callable[[Callable], Callable]:
+def launcher(name: str, mutates: tuple[str, ...] = (),
+             traceable: bool = False) -> Callable[[Callable], Callable]:
     """Register fn as the op `fusedtrain::name` (schema from its type hints; opaque to
-    torch.compile, visible to FlopCounterMode; no autograd formula: the public ops' autograd
-    Functions call it) and return a caller; fn's first argument must be a tensor and its
-    outputs new tensors; it writes in place only the arguments named in `mutates`. In
-    plain eager execution on real tensors the caller runs fn directly: even the bare
-    dispatcher costs microseconds of CPU a call, which a training step pays dozens of
-    times."""
+    torch.compile unless traceable and trace_kernels is on, visible to FlopCounterMode; no
+    autograd formula: the public ops' autograd Functions call it) and return a caller;
+    fn's first argument must be a tensor and its outputs new tensors; it writes in place
+    only the arguments named in `mutates`. In plain eager execution on real tensors the
+    caller runs fn directly: even the bare dispatcher costs microseconds of CPU a call,
+    which a training step pays dozens of times.
+    traceable: fn runs on FunctionalTensors too (no address read; every launch through
+    FastLaunch, which records it there), so torch.compile may trace it."""
 
     def decorate(fn: Callable) -> Callable:
         _LIB.define(name + torch.library.infer_schema(fn, mutates_args=mutates))
         for dispatch_key in ("CPU", "CUDA"):
             _LIB.impl(name, fn, dispatch_key)
+        if traceable:
+            from torch._subclasses.functional_tensor import FunctionalTensorMode
+
+            torch.library.register_torch_dispatch(f"fusedtrain::{name}", FunctionalTensorMode,
+                                                  _traced_rule(name, fn), lib=_LIB)
+            TRACEABLE.append(name)
         op = getattr(torch.ops.fusedtrain, name).default
         _OP_NAMES.append(name)
 

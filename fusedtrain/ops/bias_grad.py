@@ -8,7 +8,7 @@ from fusedtrain.kernels.bias_grad import bias_grad
 from fusedtrain.ops._registry import launcher
 
 
-@launcher("bias_grad")
+@launcher("bias_grad", traceable=True)
 def column_sums(g: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """g: (M, N) -> g.sum(0): (N,) in `dtype` (default g's), accumulated in fp32 (fp64 for
     fp64 g), then rounded once."""

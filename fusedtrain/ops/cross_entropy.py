@@ -21,7 +21,7 @@ from fusedtrain.ops.linear import weight_grad
 Tensor = torch.Tensor
 
 
-@launcher("cross_entropy_fwd")
+@launcher("cross_entropy_fwd", traceable=True)
 def _cross_entropy_fwd(logits: Tensor, targets: Tensor,
                        ignore_index: int) -> tuple[Tensor, Tensor]:
     return K.cross_entropy_fwd(logits, targets, ignore_index)
@@ -34,7 +34,7 @@ def _(logits, targets, ignore_index):
     return logits.new_empty(M, dtype=stat), logits.new_empty(M, dtype=stat)
 
 
-@launcher("kept_mean")
+@launcher("kept_mean", traceable=True)
 def _kept_mean(loss: Tensor, targets: Tensor, ignore_index: int) -> tuple[Tensor, Tensor]:
     """(mean loss over the rows not ignored, 1 / their count): see K.kept_mean."""
     return K.kept_mean(loss, targets, ignore_index)
@@ -45,7 +45,7 @@ def _(loss, targets, ignore_index):
     return loss.new_empty(()), loss.new_empty(())
 
 
-@launcher("cross_entropy_bwd")
+@launcher("cross_entropy_bwd", traceable=True)
 def _cross_entropy_bwd(logits: Tensor, targets: Tensor, lse: Tensor, g: Tensor,
                        ignore_index: int) -> Tensor:
     return K.cross_entropy_bwd(logits, targets, lse, g, ignore_index)
@@ -138,7 +138,7 @@ def cross_entropy(logits: Tensor, targets: Tensor, ignore_index: int = -100,
                                       bool(inplace_backward))
 
 
-@launcher("scaled")
+@launcher("scaled", traceable=True)
 def _scaled(x: Tensor, s: Tensor) -> Tensor:
     return K.scaled(x, s)
 

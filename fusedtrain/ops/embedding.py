@@ -15,7 +15,7 @@ from fusedtrain.ops._validate import check_index_tensor, check_same, check_tenso
 Tensor = torch.Tensor
 
 
-@launcher("embedding_bwd")
+@launcher("embedding_bwd", traceable=True)
 def _embedding_bwd(idx: Tensor, dy: Tensor, num_rows: int) -> Tensor:
     """dW (num_rows, C) in fp32 (fp64); PyTorch's sorted, reproducible backward under
     torch.use_deterministic_algorithms(True)."""
@@ -61,7 +61,7 @@ def embedding(idx: Tensor, weight: Tensor) -> Tensor:
 # ---------------------------------------------------------------- GPT's input embedding
 
 
-@launcher("gpt_embedding_fwd")
+@launcher("gpt_embedding_fwd", traceable=True)
 def _gpt_embedding_fwd(idx: Tensor, token_weight: Tensor, position_weight: Tensor,
                        positions: Tensor | None = None) -> Tensor:
     B, T = idx.shape
@@ -96,7 +96,7 @@ def _gpt_embedding_grads(idx: Tensor, dx: Tensor, dw: Tensor | None, num_rows: i
     return (tokens if dw is None else dw.add_(tokens)), dpos
 
 
-@launcher("gpt_embedding_bwd")
+@launcher("gpt_embedding_bwd", traceable=True)
 def _gpt_embedding_bwd(idx: Tensor, dx: Tensor, head_grad: Tensor | None, num_rows: int,
                        num_positions: int, positions: Tensor | None = None
                        ) -> tuple[Tensor, Tensor]:

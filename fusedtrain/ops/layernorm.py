@@ -25,7 +25,7 @@ from fusedtrain.ops._validate import (
 Tensor = torch.Tensor
 
 
-@launcher("layer_norm_fwd")
+@launcher("layer_norm_fwd", traceable=True)
 def _layer_norm_fwd(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float,
                     approximate: str, out_dtype: torch.dtype, save_stats: bool,
                     rms: bool = False) -> tuple[Tensor, Tensor]:
@@ -41,7 +41,7 @@ def _(x, weight, bias, eps, approximate, out_dtype, save_stats, rms=False):
     return x.new_empty(x.shape, dtype=out_dtype), x.new_empty((2, M), dtype=stat_dtype(x))
 
 
-@launcher("add_layer_norm_fwd")
+@launcher("add_layer_norm_fwd", traceable=True)
 def _add_layer_norm_fwd(x: Tensor, residual: Tensor, weight: Tensor | None,
                         bias: Tensor | None, eps: float, out_dtype: torch.dtype,
                         stream_dtype: torch.dtype, save_stats: bool, x_bias: Tensor | None = None,
@@ -59,7 +59,7 @@ def _(x, residual, weight, bias, eps, out_dtype, stream_dtype, save_stats, x_bia
             x.new_empty((2, M), dtype=stat_dtype(x)))
 
 
-@launcher("layer_norm_bwd")
+@launcher("layer_norm_bwd", traceable=True)
 def _layer_norm_bwd(dy: Tensor, x: Tensor, weight: Tensor | None, bias: Tensor | None,
                     stats: Tensor, ds: Tensor | None, approximate: str,
                     dx_dtype: torch.dtype, dx2_dtype: torch.dtype | None,

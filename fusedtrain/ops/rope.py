@@ -14,7 +14,7 @@ from fusedtrain.ops._validate import check_index_tensor, check_same, check_tenso
 Tensor = torch.Tensor
 
 
-@launcher("rope")
+@launcher("rope", traceable=True)
 def _rope(x: Tensor, base: float, positions: Tensor | None, inverse: bool) -> Tensor:
     return K.rope(x, base, positions, inverse)
 
