@@ -82,6 +82,13 @@ def tracing() -> bool:
     return _TRACING
 
 
+def address(t: torch.Tensor) -> int:
+    """t's address, for an alignment check; while traced (no address yet) its byte offset
+    into its storage: Inductor's buffers, like the caching allocator's, start 16-byte
+    aligned, and Inductor copies a graph input that is not."""
+    return t.storage_offset() * t.element_size() if _TRACING else t.data_ptr()
+
+
 def _traced(kernel, grid, args: tuple, kwargs: dict) -> None:
     from torch.library import wrap_triton
 
@@ -380,7 +387,7 @@ def operand_signature(name: str, *operands: torch.Tensor) -> tuple:
     key = [name, operands[0].device]
     for t in operands:
         key += (t.shape, t.stride(), t.dtype)
-        aligned |= t.data_ptr()
+        aligned |= address(t) if _TRACING else t.data_ptr()  # inline: a hot path
     key.append(aligned & 15 == 0)
     return tuple(key)
 

@@ -28,7 +28,7 @@ import triton.language as tl
 from fusedtrain.kernels import INTERPRET
 from fusedtrain.kernels._device import ceil_div, sm_count
 from fusedtrain.kernels._gemm import grouped_tile
-from fusedtrain.kernels._launch import enable_device_descriptors
+from fusedtrain.kernels._launch import address, enable_device_descriptors, tracing
 from fusedtrain.kernels._primitives import device_fn
 from fusedtrain.kernels.gelu import gelu_operand
 
@@ -89,7 +89,7 @@ def tma_aligned(t: torch.Tensor) -> bool:
     """A 16-byte aligned base, unit stride in the last dimension and 16-byte multiples for
     the other strides: what a TMA descriptor needs of its tensor."""
     strides = t.stride()
-    if strides[-1] != 1 or t.data_ptr() & 15:
+    if strides[-1] != 1 or address(t) & 15:
         return False
     size = t.element_size()
     return all(s * size % 16 == 0 for s in strides[:-1])
@@ -115,8 +115,10 @@ def _sm90(device: torch.device) -> bool:
 
 def gluon_ok(*operands: torch.Tensor) -> bool:
     """Whether a GEMM runs as a warp-specialised Gluon kernel (kernels.gemm_gluon): on an sm_90 GPU
-    with triton 3.6, 16-bit operands of one dtype, each tma_aligned."""
-    return (not INTERPRET and triton.__version__.startswith(GLUON_TRITON)
+    with triton 3.6, 16-bit operands of one dtype, each tma_aligned; not while traced for
+    torch.compile (Inductor re-emits a user kernel as @triton.jit source, which a Gluon
+    kernel is not)."""
+    return (not INTERPRET and not tracing() and triton.__version__.startswith(GLUON_TRITON)
             and all(t.is_cuda and t.dtype in (torch.bfloat16, torch.float16)
                     and t.dtype == operands[0].dtype and tma_aligned(t) for t in operands)
             and _sm90(operands[0].device))
@@ -204,16 +206,17 @@ def tma_matmul(a_desc, b_desc, off_m, off_n, k_start, k_len,
 
 
 @device_fn
-def tile_halves(a_desc, b_desc, tile, M, N, K, ACC: tl.constexpr, PRECISION: tl.constexpr,
+def tile_halves(a_desc, b_desc, off_m, off_n, K, ACC: tl.constexpr, PRECISION: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                GROUP_M: tl.constexpr, B_TRANS: tl.constexpr = False):
-    """Output tile number `tile` of A @ B over all of K: (off_m, off_n, left, right), the
-    tile's origin and its accumulator's two column halves, for an epilogue run per half."""
-    off_m, off_n = tile_origin(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+                B_TRANS: tl.constexpr = False):
+    """The output tile of A @ B at (off_m, off_n) (tile_origin's) over all of K: its
+    accumulator's two column halves, for an epilogue run per half. The origin comes from
+    the caller: torch.compile's analysis of a kernel counts every pointer passed to a call
+    whose results feed a store's address as written (and copies it), so what addresses a
+    store must not come out of a call given the operands."""
     acc = tma_matmul(a_desc, b_desc, off_m, off_n, 0, K, ACC, PRECISION,
                      BLOCK_M, BLOCK_N, BLOCK_K, B_TRANS=B_TRANS)
-    left, right = column_halves(acc, BLOCK_M, BLOCK_N)
-    return off_m, off_n, left, right
+    return column_halves(acc, BLOCK_M, BLOCK_N)
 
 
 @device_fn

@@ -376,9 +376,13 @@ def attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
         layout = packed_strides
         cu_q, cu_k = cu_seqlens
     else:
-        dims, layout, cu_q, cu_k = dense_dims(q, k), torch.Tensor.stride, lse, lse
+        dims, layout = dense_dims(q, k), torch.Tensor.stride
     B, H, HK, T, S, D = dims
     delta = torch.empty_like(lse)  # rowsum(dO * O): written by the dq kernel
+    if not varlen:
+        # not read without VARLEN; a buffer of this call's own, since torch.compile counts
+        # the tensors whose loads feed a store's address as written, and copies them
+        cu_q = cu_k = delta
     dq, dk, dv = grads
     bias_sums = bias_grad_dtype is not None
     if bias_sums and (varlen or not packed_grads(q, k, v)):

@@ -80,7 +80,7 @@ def bias_grad(g: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor
         lambda: ((programs, ceil_div(N, block_n)),
                  dict(ACC=acc_dtype(g), BLOCK_M=min(_TILE // block_n, next_pow2(M)),
                       BLOCK_N=block_n, num_warps=_WARPS)))
-    return parts[0] if last else bias_grad(parts, dtype)
+    return parts.view(N) if last else bias_grad(parts, dtype)
 
 
 def column_sums(g: torch.Tensor, out: torch.Tensor) -> None:

@@ -156,8 +156,9 @@ def _linear_gelu_fwd_tma_kernel(
     h_desc = matrix_desc(h_ptr, M, N, s_hm, BLOCK_M, BLOCK_N // 2)
     tiles = cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N)
     for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=True):
-        off_m, off_n, left, right = tile_halves(x_desc, w_desc, tile, M, N, K, ACC, PRECISION,
-                                                BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, B_TRANS=True)
+        off_m, off_n = tile_origin(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        left, right = tile_halves(x_desc, w_desc, off_m, off_n, K, ACC, PRECISION, BLOCK_M,
+                                  BLOCK_N, BLOCK_K, B_TRANS=True)
         _bias_gelu_store(left, off_m, off_n, b_ptr, y_desc, h_desc, N,
                          HAS_BIAS, STORE_H, APPROX)
         _bias_gelu_store(right, off_m, off_n + BLOCK_N // 2, b_ptr, y_desc, h_desc, N,
@@ -191,8 +192,9 @@ def _matmul_dgelu_tma_kernel(
     dh_desc = matrix_desc(dh_ptr, M, N, s_dhm, BLOCK_M, BLOCK_N // 2)
     tiles = cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N)
     for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=True):
-        off_m, off_n, left, right = tile_halves(dy_desc, w_desc, tile, M, N, K, ACC, PRECISION,
-                                                BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+        off_m, off_n = tile_origin(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        left, right = tile_halves(dy_desc, w_desc, off_m, off_n, K, ACC, PRECISION, BLOCK_M,
+                                  BLOCK_N, BLOCK_K)
         _dgelu_store(left, off_m, off_n, h_desc, dh_desc, part_ptr, N, APPROX, COL_SUMS)
         _dgelu_store(right, off_m, off_n + BLOCK_N // 2, h_desc, dh_desc, part_ptr, N,
                      APPROX, COL_SUMS)
@@ -422,8 +424,9 @@ def matmul_gelu_rhs(dy: torch.Tensor, h: torch.Tensor, approximate: str,
             h.stride(1), M * N, N, 1), lambda: (
                 lambda meta: (_gemm_grid(M, N)(meta)[0], splits), flags))
     if splits == 1:
-        return out[0]
-    return (out[0] if stream_k else out.sum(0)).to(out_dtype)
+        return out.view(M, N)
+    total = out.view(M, N) if stream_k else out.sum(0)
+    return total if total.dtype == out_dtype else total.to(out_dtype)
 
 
 def gelu_bwd(dy: torch.Tensor, h: torch.Tensor, approximate: str,

@@ -233,8 +233,9 @@ def _matmul_dswiglu_tma_kernel(
     du_desc = matrix_desc(du_ptr, M, N, s_om, BLOCK_M, BLOCK_N // 2)
     tiles = cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N)
     for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=True):
-        off_m, off_n, left, right = tile_halves(dy_desc, w_desc, tile, M, N, K, ACC, PRECISION,
-                                                BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+        off_m, off_n = tile_origin(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        left, right = tile_halves(dy_desc, w_desc, off_m, off_n, K, ACC, PRECISION, BLOCK_M,
+                                  BLOCK_N, BLOCK_K)
         _dswiglu_store(left, off_m, off_n, g_desc, u_desc, dg_desc, du_desc)
         _dswiglu_store(right, off_m, off_n + BLOCK_N // 2, g_desc, u_desc, dg_desc, du_desc)
 
@@ -377,4 +378,4 @@ def matmul_swiglu_rhs(dy: torch.Tensor, g: torch.Tensor, u: torch.Tensor,
         _matmul_swiglu_rhs_kernel.planned(key, (
             dy, g, u, out, M, N, K, k_split, dy.stride(1), dy.stride(0), g.stride(0),
             g.stride(1), M * N, N, 1), lambda: (_grid(M, N, splits), flags))
-    return out[0] if splits == 1 else out.sum(0).to(out_dtype)
+    return out.view(M, N) if splits == 1 else out.sum(0).to(out_dtype)

@@ -154,8 +154,9 @@ def launcher(name: str, mutates: tuple[str, ...] = (),
     only the arguments named in `mutates`. In plain eager execution on real tensors the
     caller runs fn directly: even the bare dispatcher costs microseconds of CPU a call,
     which a training step pays dozens of times.
-    traceable: fn runs on FunctionalTensors too (no address read; every launch through
-    FastLaunch, which records it there), so torch.compile may trace it."""
+    traceable: fn runs on FunctionalTensors too (addresses read through _launch.address,
+    every launch through FastLaunch, which records it there), so torch.compile may trace
+    it."""
 
     def decorate(fn: Callable) -> Callable:
         _LIB.define(name + torch.library.infer_schema(fn, mutates_args=mutates))
@@ -178,6 +179,7 @@ def launcher(name: str, mutates: tuple[str, ...] = (),
 
         call.register_fake = register_fake
         call.__name__ = call.__qualname__ = fn.__name__
+        call.op_name = name
         call.__doc__ = fn.__doc__
         return call
 

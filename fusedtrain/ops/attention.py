@@ -17,7 +17,7 @@ from fusedtrain.ops._validate import autocast_cast, check_same, check_tensor
 Tensor = torch.Tensor
 
 
-@launcher("attention_fwd")
+@launcher("attention_fwd", traceable=True)
 def attention_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: float,
                   window_left: int = -1, window_right: int = -1,
                   softcap: float = 0.0) -> tuple[Tensor, Tensor]:
@@ -29,7 +29,7 @@ def _(q, k, v, causal, softmax_scale, window_left=-1, window_right=-1, softcap=0
     return K.output_buffer(q), q.new_empty(q.shape[:3], dtype=stat_dtype(q))
 
 
-@launcher("attention_bwd")
+@launcher("attention_bwd", traceable=True)
 def attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
                   causal: bool, softmax_scale: float, window_left: int = -1,
                   window_right: int = -1, softcap: float = 0.0,
@@ -53,7 +53,7 @@ def _(do, q, k, v, o, lse, causal, softmax_scale, window_left=-1, window_right=-
     return K.grad_buffer(q), db
 
 
-@launcher("attention_bwd_grouped")
+@launcher("attention_bwd_grouped", traceable=True)
 def attention_bwd_grouped(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
                           causal: bool, softmax_scale: float, window_left: int,
                           window_right: int, softcap: float) -> tuple[Tensor, Tensor, Tensor]:
@@ -70,7 +70,7 @@ def _(do, q, k, v, o, lse, causal, softmax_scale, window_left, window_right, sof
     return K.output_buffer(q), K.output_buffer(k), K.output_buffer(v)
 
 
-@launcher("attention_fwd_varlen")
+@launcher("attention_fwd_varlen", traceable=True)
 def attention_fwd_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
                          cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
                          softmax_scale: float, window_left: int, window_right: int,
@@ -87,7 +87,7 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *args):
                         dtype=stat_dtype(q)))
 
 
-@launcher("attention_bwd_varlen")
+@launcher("attention_bwd_varlen", traceable=True)
 def attention_bwd_varlen(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
                          cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
                          max_seqlen_k: int, causal: bool, softmax_scale: float,

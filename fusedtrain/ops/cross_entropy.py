@@ -56,7 +56,7 @@ def _(logits, targets, lse, g, ignore_index):
     return logits.new_empty(logits.shape)
 
 
-@launcher("cross_entropy_fwd_grad_into", mutates=("logits",))
+@launcher("cross_entropy_fwd_grad_into", mutates=("logits",), traceable=True)
 def _cross_entropy_fwd_grad_into(logits: Tensor, targets: Tensor,
                                  ignore_index: int) -> tuple[Tensor, Tensor]:
     """(loss per row, count of rows not ignored); the mean loss's gradient written over the

@@ -111,7 +111,7 @@ def _(idx, dx, head_grad, num_rows, num_positions, positions=None):
     return dx.new_empty((num_rows, C), dtype=acc), dx.new_empty((num_positions, C), dtype=acc)
 
 
-@launcher("gpt_embedding_bwd_into", mutates=("head_grad",))
+@launcher("gpt_embedding_bwd_into", mutates=("head_grad",), traceable=True)
 def _gpt_embedding_bwd_into(idx: Tensor, dx: Tensor, head_grad: Tensor,
                             num_positions: int, positions: Tensor | None = None) -> Tensor:
     """dP; dx's rows added at idx into head_grad itself (contiguous, fp32 or fp64 as

@@ -30,7 +30,7 @@ Tensor = torch.Tensor
 # ---------------------------------------------------------------- registered launchers
 
 
-@launcher("linear_gelu_fwd")
+@launcher("linear_gelu_fwd", traceable=True)
 def _linear_gelu_fwd(x: Tensor, weight: Tensor, bias: Tensor | None,
                      approximate: str) -> tuple[Tensor, Tensor]:
     y, h = K.linear_gelu_fwd(x, weight, bias, approximate, store_h=True)
@@ -43,7 +43,7 @@ def _(x, weight, bias, approximate):
     return out, torch.empty_like(out)
 
 
-@launcher("linear_gelu_infer")
+@launcher("linear_gelu_infer", traceable=True)
 def _linear_gelu_infer(x: Tensor, weight: Tensor, bias: Tensor | None,
                        approximate: str) -> Tensor:
     """The forward when no gradient is wanted: y only, h not written."""
@@ -64,7 +64,7 @@ def _fake_with_sums(h: Tensor, sums_dtype: torch.dtype | None) -> tuple[Tensor, 
     return h.new_empty(h.shape), h.new_empty(h.shape[1] if sums_dtype else 0, dtype=sums_dtype)
 
 
-@launcher("matmul_dgelu")
+@launcher("matmul_dgelu", traceable=True)
 def _matmul_dgelu(dy: Tensor, w2: Tensor, h: Tensor, approximate: str,
                   sums_dtype: torch.dtype | None) -> tuple[Tensor, Tensor]:
     """(dh, db): db = dh.sum(0) in sums_dtype, or empty without one."""
@@ -76,7 +76,7 @@ def _(dy, w2, h, approximate, sums_dtype):
     return _fake_with_sums(h, sums_dtype)
 
 
-@launcher("matmul_gelu_rhs")
+@launcher("matmul_gelu_rhs", traceable=True)
 def _matmul_gelu_rhs(dy: Tensor, h: Tensor, approximate: str, out_dtype: torch.dtype) -> Tensor:
     return K.matmul_gelu_rhs(dy, h, approximate, out_dtype)
 
@@ -86,7 +86,7 @@ def _(dy, h, approximate, out_dtype):
     return dy.new_empty((dy.shape[1], h.shape[1]), dtype=out_dtype)
 
 
-@launcher("gelu_bwd")
+@launcher("gelu_bwd", traceable=True)
 def _gelu_bwd(dy: Tensor, h: Tensor, approximate: str,
               sums_dtype: torch.dtype | None) -> tuple[Tensor, Tensor]:
     """(dh, db): db = dh.sum(0) in sums_dtype, or empty without one."""

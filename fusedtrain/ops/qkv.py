@@ -11,6 +11,7 @@ from fusedtrain.casts import cast_params
 from fusedtrain.kernels import qkv as K
 from fusedtrain.kernels import rope as rope_kernel
 from fusedtrain.kernels._device import stat_dtype
+from fusedtrain.kernels._launch import tracing
 from fusedtrain.kernels.bias_grad import bias_grad
 from fusedtrain.ops._registry import function_apply, launcher
 from fusedtrain.ops._validate import autocast_cast, autocast_params, check_same, check_tensor
@@ -20,7 +21,7 @@ from fusedtrain.ops.rope import checked_rope
 Tensor = torch.Tensor
 
 
-@launcher("qkv_fwd")
+@launcher("qkv_fwd", traceable=True)
 def qkv_fwd(x: Tensor, weight: Tensor, bias: Tensor | None, n_heads: int, n_kv_heads: int,
             rope_base: float | None, positions: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
     return K.qkv_fwd(x, weight, bias, n_heads, n_kv_heads, rope_base, positions)
@@ -57,7 +58,10 @@ def _packed(dq: Tensor, dk: Tensor, dv: Tensor) -> Tensor | None:
     """The (B*T, (H + 2 HK) D) matrix [dq | dk | dv] (token rows, features (segment, head,
     d)) when the three are slices of one (B, T, H + 2 HK, D) buffer, as the fused
     attention's backward writes them for equal head counts (kernels.attention.grad_buffer);
-    else None."""
+    else None. None while traced for torch.compile: the traced gradients are three values,
+    whose memory Inductor places (the strided kernels read them in place)."""
+    if tracing():
+        return None
     B, H, T, D = dq.shape
     width = (H + 2 * dk.shape[1]) * D
     packed = (T * width, D, width, 1)
@@ -89,7 +93,7 @@ def _gathered(dq: Tensor, dk: Tensor, dv: Tensor, rope_base: float | None,
     return buf.view(B * T, -1)
 
 
-@launcher("qkv_bwd")
+@launcher("qkv_bwd", traceable=True)
 def qkv_bwd(dq: Tensor, dk: Tensor, dv: Tensor, x: Tensor, weight: Tensor,
             weight_grad_dtype: torch.dtype, bias_grad_dtype: torch.dtype | None,
             rope_base: float | None, positions: Tensor | None

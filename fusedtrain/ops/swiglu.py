@@ -17,7 +17,7 @@ from fusedtrain.ops.linear import weight_grad
 Tensor = torch.Tensor
 
 
-@launcher("swiglu_fwd")
+@launcher("swiglu_fwd", traceable=True)
 def _swiglu_fwd(x: Tensor, gate_weight: Tensor, up_weight: Tensor
                 ) -> tuple[Tensor, Tensor, Tensor]:
     """(g, u, h): the pre-activations, for backward, and h = silu(g) * u."""
@@ -31,7 +31,7 @@ def _(x, gate_weight, up_weight):
     return torch.empty_like(h), torch.empty_like(h), h
 
 
-@launcher("swiglu_infer")
+@launcher("swiglu_infer", traceable=True)
 def _swiglu_infer(x: Tensor, gate_weight: Tensor, up_weight: Tensor) -> Tensor:
     """The forward when no gradient is wanted: h only, g and u not written."""
     return K.swiglu_fwd(x, gate_weight, up_weight, store_gu=False)[2]
@@ -42,7 +42,7 @@ def _(x, gate_weight, up_weight):
     return x.new_empty((x.shape[0], gate_weight.shape[0]))
 
 
-@launcher("matmul_dswiglu")
+@launcher("matmul_dswiglu", traceable=True)
 def _matmul_dswiglu(dy: Tensor, down_weight: Tensor, g: Tensor,
                     u: Tensor) -> tuple[Tensor, Tensor]:
     return K.matmul_dswiglu(dy, down_weight, g, u)
@@ -53,7 +53,7 @@ def _(dy, down_weight, g, u):
     return torch.empty_like(g), torch.empty_like(g)
 
 
-@launcher("matmul_swiglu_rhs")
+@launcher("matmul_swiglu_rhs", traceable=True)
 def _matmul_swiglu_rhs(dy: Tensor, g: Tensor, u: Tensor, out_dtype: torch.dtype) -> Tensor:
     return K.matmul_swiglu_rhs(dy, g, u, out_dtype)
 
