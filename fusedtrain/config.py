@@ -33,6 +33,7 @@ class RunConfig:
     cuda_graph: bool = False
     autograd_threads: bool = False
     checkpoint_every_n_steps: int | None = None
+    trace_kernels: bool = False  # with compile: see fusedtrain.ops.trace_kernels
 
 
 def _build(cls, section: str, values: dict):
@@ -131,6 +132,13 @@ def build_run_config(cfg: DictConfig) -> RunConfig:
                                               or not torch.cuda.is_available()):
         raise ConfigError("trainer.strategy=fsdp needs CUDA GPUs (Lightning's FSDP is "
                           "GPU-only); on CPUs use trainer=ddp trainer.accelerator=cpu")
+    trace_kernels = _flag(c, "trace_kernels")
+    if trace_kernels and not compile:
+        raise ConfigError("trace_kernels=true lets torch.compile trace into the fused ops' "
+                          "kernels; set compile=true (or a mode) with it")
+    if trace_kernels and (trainer.get("accelerator") == "cpu" or not torch.cuda.is_available()):
+        raise ConfigError("trace_kernels=true needs a CUDA GPU: on the CPU the kernels run "
+                          "in Triton's interpreter, which torch.compile cannot trace")
     tensorboard = _flag(c, "tensorboard")
     if tensorboard and not any(importlib.util.find_spec(m) for m in ("tensorboard",
                                                                       "tensorboardX")):
@@ -152,4 +160,4 @@ def build_run_config(cfg: DictConfig) -> RunConfig:
                      throughput_skip_steps=skip, deterministic=_flag(c, "deterministic"),
                      tensorboard=tensorboard, cuda_graph=cuda_graph,
                      autograd_threads=_flag(c, "autograd_threads"),
-                     checkpoint_every_n_steps=every)
+                     checkpoint_every_n_steps=every, trace_kernels=trace_kernels)

@@ -137,7 +137,8 @@ def train(cfg: DictConfig) -> dict:
         resume_step = int(resume[1].get("global_step", 0))
         log.info("resuming from %s at step %d", resume[0], resume_step)
     module = GPTModule(run.model, run.optim, max_steps, compile=run.compile,
-                       cuda_graph=run.cuda_graph, autograd_threads=run.autograd_threads)
+                       cuda_graph=run.cuda_graph, autograd_threads=run.autograd_threads,
+                       trace_kernels=run.trace_kernels)
     throughput = ThroughputMonitor(skip_steps=run.throughput_skip_steps)
     ckpt_dir = run_dir / "checkpoints"
     checkpoints = [ModelCheckpoint(dirpath=str(ckpt_dir), filename="step{step}",

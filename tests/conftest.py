@@ -13,6 +13,20 @@ ROOT = Path(__file__).resolve().parents[1]
 HAS_CUDA = torch.cuda.is_available()
 
 
+def bf16_adamw_step(loss_fn, opt, idx: torch.Tensor, graphs: bool = False) -> float:
+    """One training step on CUDA under bf16 autocast: loss_fn(idx[:, :-1], idx[:, 1:]),
+    backward, opt's step; the loss's value. graphs: announce the step to Inductor's CUDA
+    graphs (reduce-overhead) first."""
+    if graphs:
+        torch.compiler.cudagraph_mark_step_begin()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = loss_fn(idx[:, :-1], idx[:, 1:])
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.item()
+
+
 def train_losses(run_dir: Path, tmp_path: Path, *overrides: str
                  ) -> tuple[subprocess.CompletedProcess, list[float]]:
     """scripts/train.py with hydra.run.dir=run_dir, its corpus cached under tmp_path,

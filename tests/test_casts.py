@@ -5,6 +5,7 @@ import contextlib
 
 import pytest
 import torch
+from conftest import bf16_adamw_step
 
 import fusedtrain.model as model_module
 from fusedtrain.casts import cast_params, grouped_casts
@@ -210,14 +211,7 @@ def test_gpu_compiled_training_reads_the_copies_and_matches_uncompiled(monkeypat
     losses = [[], []]
     for _ in range(5):
         for fn, opt, out in zip(fns, opts, losses):
-            if mode == "reduce-overhead":
-                torch.compiler.cudagraph_mark_step_begin()
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = fn(idx[:, :-1], idx[:, 1:])
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            out.append(loss.item())
+            out.append(bf16_adamw_step(fn, opt, idx, graphs=mode == "reduce-overhead"))
     torch.testing.assert_close(losses[1], losses[0], rtol=2e-3, atol=2e-3)
     assert losses[1][-1] < losses[1][0]
     if mode == "default":  # from the second step on every lookup finds its copy

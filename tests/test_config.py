@@ -93,6 +93,15 @@ def test_cuda_graph_needs_a_gpu():
         build_run_config(_compose(["cuda_graph=true"]))
 
 
+def test_trace_kernels_needs_compile_and_a_gpu():
+    with pytest.raises(ConfigError, match="set compile=true"):
+        build_run_config(_compose(["trace_kernels=true"]))
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="needs a CUDA GPU"):
+            build_run_config(_compose(["trace_kernels=true", "compile=true"]))
+    assert build_run_config(_compose([])).trace_kernels is False
+
+
 def test_autograd_threads_is_off_unless_asked():
     assert build_run_config(_compose([])).autograd_threads is False
     assert build_run_config(_compose(["autograd_threads=true"])).autograd_threads is True

@@ -7,10 +7,10 @@ import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import ROOT, bf16_adamw_step
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fusedtrain import ops
@@ -18,7 +18,6 @@ from fusedtrain.ops import _registry
 from fusedtrain.ops.published_cast import published_cast
 
 F64 = torch.float64
-ROOT = Path(__file__).resolve().parents[1]
 OPS = sorted(n for n in torch._C._dispatch_get_all_op_names() if n.startswith("fusedtrain::"))
 
 
@@ -273,23 +272,10 @@ def test_gpu_traced_model_trains_as_the_uncompiled_one(blocks):
     torch._dynamo.reset()
     ops.trace_kernels(True)
     try:
-        fns = [models[0].loss, torch.compile(models[1].loss)]
-        losses, code = [[], []], []
-
-        def step(fn, opt, out):
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = fn(idx[:, :-1], idx[:, 1:])
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            out.append(loss.item())
-
-        for i in range(3):
-            step(fns[0], opts[0], losses[0])
-            if i == 0:
-                code = run_and_get_code(step, fns[1], opts[1], losses[1])[1]
-            else:
-                step(fns[1], opts[1], losses[1])
+        compiled = torch.compile(models[1].loss)
+        first, code = run_and_get_code(bf16_adamw_step, compiled, opts[1], idx)
+        losses = [[bf16_adamw_step(models[0].loss, opts[0], idx) for _ in range(3)],
+                  [first] + [bf16_adamw_step(compiled, opts[1], idx) for _ in range(2)]]
     finally:
         ops.trace_kernels(False)
     torch.testing.assert_close(losses[1], losses[0], rtol=5e-3, atol=5e-3)

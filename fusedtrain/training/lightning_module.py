@@ -8,8 +8,8 @@ import random
 import lightning as L
 import torch
 
+from fusedtrain import ops
 from fusedtrain.model import GPT, GPTConfig
-from fusedtrain.ops import register_inductor_fallbacks
 from fusedtrain.training.graph_capture import GraphedLoss, capture_loss
 from fusedtrain.training.optimizer import (
     AdamWPlan,
@@ -33,22 +33,25 @@ class NonFiniteLossError(RuntimeError):
 class GPTModule(L.LightningModule):
     def __init__(self, model_cfg: GPTConfig, optim_cfg: OptimConfig, max_steps: int,
                  compile: bool | str = False, cuda_graph: bool = False,
-                 autograd_threads: bool = False):
+                 autograd_threads: bool = False, trace_kernels: bool = False):
         super().__init__()
         self.save_hyperparameters({"model": model_cfg.to_dict(), "optim": vars(optim_cfg),
                                    "max_steps": max_steps, "compile": compile,
                                    "cuda_graph": cuda_graph,
-                                   "autograd_threads": autograd_threads})
+                                   "autograd_threads": autograd_threads,
+                                   "trace_kernels": trace_kernels})
         self.model_cfg, self.optim_cfg, self.max_steps = model_cfg, optim_cfg, max_steps
         self.model = GPT(model_cfg)
         self.compile = compile
         # torch.compile wraps the whole loss function (a compiled module would compile
         # only forward, not `.loss`); it holds no parameters of its own, so checkpoints
         # hold them once, under `model.`, whether or not the model was compiled.
-        # compile: True for torch.compile's default mode, or a mode's name.
+        # compile: True for torch.compile's default mode, or a mode's name; with
+        # trace_kernels, Inductor emits the fused ops' kernels itself (ops.trace_kernels).
         self._loss_fn = self.model.loss
         if compile:
-            register_inductor_fallbacks()
+            ops.register_inductor_fallbacks()
+            ops.trace_kernels(trace_kernels)
             self._loss_fn = torch.compile(self.model.loss,
                                           mode=None if compile is True else compile)
         # Inductor's CUDA graphs (reduce-overhead) replay into buffers that the next
