@@ -54,8 +54,9 @@ step train-packed 550 python scripts/bench.py train --data stdlib --variants fus
 step train-llama 550 python scripts/bench.py train --model llama-124m --variants eager-sdpa \
   compile-sdpa fused fused-graph --variant-timeout 130 --out "$out/llama-124m"
 step tune-tma 400 python scripts/tune_tma.py --out "$out"
-step train-graphs 400 python scripts/bench.py train --compile-mode reduce-overhead \
-  --variants compile-sdpa compile-fused --variant-timeout 200 --out "$out/graphs"
+step train-graphs 550 python scripts/bench.py train --compile-mode reduce-overhead \
+  --variants compile-sdpa compile-fused compile-fused-traced --variant-timeout 170 \
+  --out "$out/graphs"
 step compile-fused 450 env TORCH_LOGS=recompiles,graph_breaks python scripts/bench.py train \
   --variants compile-sdpa compile-fused compile-fused-traced --variant-timeout 140 \
   --out "$out/compile-fused"
