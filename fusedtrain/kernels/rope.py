@@ -50,11 +50,18 @@ def _rope_kernel(x_ptr, pos_ptr, freq_ptr, o_ptr, N, T, HALF, s_xb, s_xh, s_xt, 
 
 
 @functools.lru_cache(maxsize=16)
+def _inv_freq_cached(head_dim: int, base: float, device: torch.device, dtype: torch.dtype
+                     ) -> torch.Tensor:
+    return 1.0 / base ** (torch.arange(0, head_dim, 2, device=device, dtype=dtype) / head_dim)
+
+
 def inv_freq(head_dim: int, base: float, device: torch.device, dtype: torch.dtype
              ) -> torch.Tensor:
     """(D/2,) base ** (-2d / D) in dtype (fp32, or fp64), as transformers' Llama computes it:
-    1 / base ** (arange(0, D, 2) / D)."""
-    return 1.0 / base ** (torch.arange(0, head_dim, 2, device=device, dtype=dtype) / head_dim)
+    1 / base ** (arange(0, D, 2) / D). Cached, except while traced for torch.compile, where
+    it is a traced tensor that must not outlive its graph."""
+    make = _inv_freq_cached.__wrapped__ if tracing() else _inv_freq_cached
+    return make(head_dim, float(base), device, dtype)
 
 
 def rope(x: torch.Tensor, base: float, positions: torch.Tensor | None = None,
@@ -68,10 +75,8 @@ def rope(x: torch.Tensor, base: float, positions: torch.Tensor | None = None,
     if out is None:
         out = torch.empty_like(x)
     pos = x if positions is None else positions.contiguous()  # not read without positions
-    # traced for torch.compile, the frequencies are a traced tensor: not to be cached
-    freqs = inv_freq.__wrapped__ if tracing() else inv_freq
     _rope_kernel[(ceil_div(B * T, _BLOCK_T), H)](
-        x, pos, freqs(D, float(base), x.device, stat_dtype(x)),
+        x, pos, inv_freq(D, base, x.device, stat_dtype(x)),
         out, B * T, T, D // 2, x.stride(0), x.stride(1), x.stride(2),
         out.stride(0), out.stride(1), out.stride(2), POSITIONS=positions is not None,
         INVERSE=inverse, ACC=acc_dtype(x), BLOCK_T=_BLOCK_T, BLOCK_D=next_pow2(max(D // 2, 1)))

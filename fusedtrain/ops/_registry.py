@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import logging
 from collections.abc import Callable
 
@@ -84,8 +85,16 @@ def register_inductor_fallbacks() -> None:
 # at 64 x 768 cost 172.7 us of host time on the lent H200 host; docs/journal.md). Set by
 # trace_kernels; off until timed on a GPU.
 _TRACE_KERNELS = False
-_AUTOGRAD_CACHE = True  # AOTAutograd's cache setting before trace_kernels turned it off
 _TRACED_LOGGED: set[str] = set()
+# Settings trace_kernels holds while on, each restored when it goes off. AOTAutograd's cache
+# keys on Dynamo's graph, which is the same either way: it would hand back the other
+# choice's compilation. Inductor types a user kernel's Python float arguments as fp64
+# where Triton's own launcher, which the kernels are written for, types them as fp32: on
+# the H200 (torch 2.11) the attention forward's fp32 accumulator became fp64 in its loop
+# and did not compile.
+_TRACING_CONFIG = (("torch._functorch.config", "enable_autograd_cache", False),
+                   ("torch._inductor.config", "_use_fp64_for_unbacked_floats", False))
+_CONFIG_BEFORE: dict[tuple[str, str], object] = {}
 
 
 def trace_kernels(enabled: bool = True) -> None:
@@ -94,20 +103,21 @@ def trace_kernels(enabled: bool = True) -> None:
     torch.library.triton_op does), or keep them opaque (the default). Takes effect at the
     next compilation. Triton's interpreter cannot be traced: wrap_triton hands an
     interpreted kernel back to be called, and it cannot read a traced tensor."""
-    global _TRACE_KERNELS, _AUTOGRAD_CACHE
+    global _TRACE_KERNELS
     if enabled and INTERPRET:
         raise RuntimeError("trace_kernels: Triton's interpreter (no CUDA device) cannot be "
                            "traced into a compiled graph; the ops stay opaque there")
     if bool(enabled) == _TRACE_KERNELS:
         return
-    # AOTAutograd's cache keys on Dynamo's graph, which is the same either way: it would
-    # hand back the other choice's compilation. Off while tracing.
-    import torch._functorch.config as functorch_config
-    if enabled:
-        _AUTOGRAD_CACHE = functorch_config.enable_autograd_cache
-        functorch_config.enable_autograd_cache = False
-    else:
-        functorch_config.enable_autograd_cache = _AUTOGRAD_CACHE
+    for module_name, name, value in _TRACING_CONFIG:
+        module = importlib.import_module(module_name)
+        if not hasattr(module, name):  # a torch without the setting
+            continue
+        if enabled:
+            _CONFIG_BEFORE[module_name, name] = getattr(module, name)
+            setattr(module, name, value)
+        else:
+            setattr(module, name, _CONFIG_BEFORE.pop((module_name, name)))
     _TRACE_KERNELS = bool(enabled)
     log.info("torch.compile %s the fusedtrain launchers' Triton kernels",
              "traces into" if enabled else "keeps opaque")
