@@ -190,6 +190,27 @@ def test_trace_kernels_is_refused_by_the_interpreter():
     ops.trace_kernels(False)
 
 
+def test_trace_kernels_holds_its_compile_settings_and_restores_them(monkeypatch):
+    """While on, AOTAutograd's cache is off and Inductor types float kernel arguments as
+    fp32 (as Triton's launcher does); going off gives back the user's values."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    from fusedtrain.ops import _registry
+
+    monkeypatch.setattr(_registry, "INTERPRET", False)
+    monkeypatch.setattr(functorch_config, "enable_autograd_cache", "user's")
+    monkeypatch.setattr(inductor_config, "_use_fp64_for_unbacked_floats", "user's")
+    ops.trace_kernels(True)
+    try:
+        assert functorch_config.enable_autograd_cache is False
+        assert inductor_config._use_fp64_for_unbacked_floats is False
+    finally:
+        ops.trace_kernels(False)
+    assert functorch_config.enable_autograd_cache == "user's"
+    assert inductor_config._use_fp64_for_unbacked_floats == "user's"
+
+
 @pytest.mark.gpu
 def test_gpu_traced_kernels_in_inductors_code_and_equal_to_opaque():
     """Under ops.trace_kernels(), a compiled block of traceable ops (embedding, LayerNorms,

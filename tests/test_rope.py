@@ -129,3 +129,16 @@ def test_gpu_bf16_qkv_projection_rotated_within_eager_error(B, T, C, H, HK):
     check_against_oracle(lambda *a: ops.qkv_projection(*a, None, H, HK, 10000.0, positions),
                          lambda *a: eager.qkv_projection(*a, None, H, HK, 10000.0, positions),
                          [x, w], 1e-2, 1e-2, "rotated qkv")
+
+
+def test_frequencies_cached_except_while_traced(monkeypatch):
+    """The (D/2,) frequency table is built once per (D, base, device, dtype); while traced
+    for torch.compile it is built anew (a cached traced tensor would outlive its graph as
+    a fake constant, as the llama model's compile on the H200 showed)."""
+    from fusedtrain.kernels import rope
+
+    args = (64, 10000.0, torch.device("cpu"), torch.float32)
+    assert rope.inv_freq(*args) is rope.inv_freq(*args)
+    monkeypatch.setattr(rope, "tracing", lambda: True)
+    assert rope.inv_freq(*args) is not rope.inv_freq(*args)
+    torch.testing.assert_close(rope.inv_freq(*args), 10000.0 ** (-torch.arange(32) / 32))
