@@ -194,6 +194,24 @@ def _graph_input(node: torch.fx.Node) -> bool:
     return node.op == "placeholder"
 
 
+def _aliased_writes(kernel: str, node: torch.fx.Node) -> list[str]:
+    """A tensor handed to one launch under two names, one of them a name it writes.
+    Functionalization copies each written name's tensor apart and then puts every copy
+    back over the one input in turn, so the last name's copy wins: the kernel's writes
+    through the other name are lost (torch's TODO in triton_kernel_wrap.py). Graph
+    inputs are left out: these launchers only read them (ids, sequence starts), so every
+    copy put back is equal."""
+    written = node.kwargs["tensors_to_clone"]
+    names: dict[torch.fx.Node, list[str]] = {}
+    for key, value in node.kwargs["kwargs"].items():
+        if isinstance(value, torch.fx.Node):
+            names.setdefault(value, []).append(key)
+    return [f"{kernel}: one tensor passed as {', '.join(keys)}, written as "
+            f"{', '.join(k for k in keys if k in written)}"
+            for node, keys in names.items()
+            if sum(k in written for k in keys) > 1 and not _graph_input(node)]
+
+
 def problems(name: str, gm: torch.fx.GraphModule) -> tuple[list[str], list[str]]:
     """(the kernels the graph launches, what is wrong with it)."""
     kernels, wrong, copied = [], [], set()
@@ -211,6 +229,7 @@ def problems(name: str, gm: torch.fx.GraphModule) -> tuple[list[str], list[str]]
             # to copy is a copy Inductor will make of it on every call
             copied |= {arg for arg in node.kwargs["tensors_to_clone"]
                        if _graph_input(node.kwargs["kwargs"][arg])}
+            wrong += _aliased_writes(kernels[-1], node)
     if not kernels:
         wrong.append("no Triton launch in the graph")
     if copied != CASES[name][2]:

@@ -43,6 +43,7 @@ from fusedtrain.kernels.attention import (
     kernel_args,
     output_buffer,
     packed_strides,
+    unread_sequence_starts,
 )
 from fusedtrain.kernels.bias_grad import bias_grad
 
@@ -380,9 +381,7 @@ def attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
     B, H, HK, T, S, D = dims
     delta = torch.empty_like(lse)  # rowsum(dO * O): written by the dq kernel
     if not varlen:
-        # not read without VARLEN; a buffer of this call's own, since torch.compile counts
-        # the tensors whose loads feed a store's address as written, and copies them
-        cu_q = cu_k = delta
+        cu_q, cu_k = unread_sequence_starts(delta)
     dq, dk, dv = grads
     bias_sums = bias_grad_dtype is not None
     if bias_sums and (varlen or not packed_grads(q, k, v)):
