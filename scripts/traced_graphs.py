@@ -61,14 +61,17 @@ def _on_a_fake_hopper() -> None:
 
 
 BF16, F32 = torch.bfloat16, torch.float32
+# Where the cases' tensors are made: fake CUDA ones under a FakeTensorMode to trace, real
+# ones on the CPU to run the traced graphs (scripts/traced_execution.py).
+DEVICE = "cuda"
 
 
 def _t(*shape: int, dtype: torch.dtype = BF16) -> torch.Tensor:
-    return torch.randn(*shape, device="cuda", dtype=dtype)
+    return torch.randn(*shape, device=DEVICE, dtype=dtype)
 
 
 def _ids(*shape: int, high: int = 1000) -> torch.Tensor:
-    return torch.randint(0, high, shape, device="cuda")
+    return torch.randint(0, high, shape, device=DEVICE)
 
 
 # torch's mutation analysis follows a store's address back through the loads it came
@@ -163,7 +166,7 @@ def _packed(*heads: int) -> list[torch.Tensor]:
 
 def _cu() -> tuple[torch.Tensor, torch.Tensor]:
     """cu_seqlens of three documents, for the queries and the keys."""
-    cu = torch.tensor([0, 300, 300, 600], device="cuda", dtype=torch.int32)
+    cu = torch.tensor([0, 300, 300, 600], device=DEVICE, dtype=torch.int32)
     return cu, cu
 
 

@@ -182,6 +182,21 @@ def test_traceable_launchers_trace_into_their_kernels(tmp_path):
     assert n >= 30 and f"{n} of {n} traceable launchers covered" in r.stdout
 
 
+def test_traced_graphs_compute_what_their_launchers_compute(tmp_path):
+    """scripts/traced_execution.py: each traceable launcher's functionalized graph, run on
+    CPU tensors with every launch through the kernel's interpreter twin, gives bit for bit
+    the outputs and input writes of the launcher called directly (the check that caught the
+    attention's lse and delta lost to functionalization)."""
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "traced_execution.py")],
+                       capture_output=True, text=True, timeout=900,
+                       env={**os.environ, "TRITON_CACHE_DIR": str(tmp_path)})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    import re
+
+    done, cases = map(int, re.search(r"(\d+) of (\d+) traced graphs compute", r.stdout).groups())
+    assert done == cases >= len(_registry.TRACEABLE)
+
+
 def test_trace_kernels_is_refused_by_the_interpreter():
     """Triton's interpreter cannot be traced (wrap_triton hands interpreted kernels back to
     be called on the traced tensors): the ops stay opaque, and asking says so."""

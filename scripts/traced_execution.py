@@ -1,0 +1,208 @@
+"""Run every traceable launcher's traced graph on CPU tensors and check that it computes
+what the launcher computes when called directly: the same outputs and the same writes to
+its inputs, bit for bit.
+
+traced_graphs.py checks a graph's structure; this checks its meaning, which
+functionalization can change while the structure looks right (a written tensor passed to
+one launch under three names came back unwritten: docs/journal.md). Both runs take the
+same path decisions, on traced_graphs.py's fake Hopper, and run each Triton launch
+through its interpreter twin: the same kernel defined again under TRITON_INTERPRET=1,
+with the few PTX instructions its GPU form uses emulated in numpy. Not a check of
+Inductor's code or of the GPU's results: those need the GPU (the `-m gpu` tests in
+tests/test_registration.py).
+
+  python scripts/traced_execution.py [--cases attention_bwd ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import os
+import pkgutil
+import sys
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+import traced_graphs as TG  # before fusedtrain: fake CUDA, kernels defined for the GPU
+from triton.runtime import interpreter
+from triton.runtime.autotuner import Autotuner
+
+
+def _interpreter_twins() -> dict[str, object]:
+    """fusedtrain.kernels' modules imported a second time under TRITON_INTERPRET=1, by
+    name; sys.modules is put back, so the GPU-form modules stay the ones in use."""
+    ours = [name for name in sys.modules if name.split(".")[0] == "fusedtrain"]
+    saved = {name: sys.modules.pop(name) for name in ours}
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        package = importlib.import_module("fusedtrain.kernels")
+        return {f"fusedtrain.kernels.{m.name}": importlib.import_module(
+            f"fusedtrain.kernels.{m.name}") for m in pkgutil.iter_modules(package.__path__)}
+    finally:
+        del os.environ["TRITON_INTERPRET"]
+        for name in [n for n in sys.modules if n.split(".")[0] == "fusedtrain"]:
+            del sys.modules[name]
+        sys.modules.update(saved)
+
+
+# The PTX the GPU forms inline (kernels/_primitives.py), as numpy computes it.
+_PTX = {"tanh.approx.f32": np.tanh, "rcp.approx.ftz.f32": np.reciprocal,
+        "sin.approx.ftz.f32": np.sin, "cos.approx.ftz.f32": np.cos, "mul.rn.f32": np.multiply}
+
+
+class _OneResult:
+    def __init__(self, handle):
+        self.handle = handle
+
+    def get_result(self, _: int):
+        return self.handle
+
+
+def _emulated_inline_asm(self, asm, constraints, values, types, is_pure, pack):
+    out = _PTX[asm.split(" ")[0]](*[v.data for v in values]).astype(values[0].data.dtype)
+    return _OneResult(interpreter.TensorHandle(out, values[0].dtype.scalar))
+
+
+class _Twin:
+    """Stands in for a GPU kernel (a JITFunction or an Autotuner over one): launches its
+    interpreter twin, an autotuned kernel with its first config, as both runs do."""
+
+    def __init__(self, kernel, twins: dict[str, object]):
+        self.tuner = kernel if isinstance(kernel, Autotuner) else None
+        self.fn = kernel.fn if self.tuner else kernel  # what Triton's wrappers read
+        self.arg_names = self.fn.arg_names
+        self.configs = kernel.configs if self.tuner else None
+        twin = getattr(twins[self.fn.fn.__module__], self.fn.fn.__name__)
+        while type(twin) is not interpreter.InterpretedFunction:  # FastLaunch, Autotuner
+            twin = twin.fn
+        self.twin = twin
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            config = dict(self.tuner.configs[0].kwargs) if self.tuner else {}
+            meta = {**dict(zip(self.arg_names, args)), **kwargs, **config}
+            self.twin[grid(meta) if callable(grid) else grid](*args, **kwargs, **config)
+        return launch
+
+
+@contextlib.contextmanager
+def _interpreted(twins: dict[str, object]) -> Iterator[None]:
+    """Within: every launch, from a graph (the triton wrapper's side table) or from a
+    launcher called directly (FastLaunch.run), goes to its interpreter twin."""
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+
+    from fusedtrain.kernels import _launch
+
+    get_kernel, run, enabled = kernel_side_table.get_kernel, _launch.FastLaunch.run, _launch.ENABLED
+    builder, current_device = (interpreter.InterpreterBuilder.create_inline_asm,
+                               torch.cuda.current_device)
+    kernel_side_table.get_kernel = lambda idx: _Twin(get_kernel(idx), twins)
+    _launch.FastLaunch.run = lambda self, grid, args, kwargs, plan_key=None: _Twin(
+        self.fn, twins)[grid](*args, **kwargs)
+    _launch.ENABLED = False  # no compiled-kernel plans: there is no compiled kernel
+    interpreter.InterpreterBuilder.create_inline_asm = _emulated_inline_asm
+    torch.cuda.current_device = lambda: 0  # the fake Hopper's properties are device 0's
+    try:
+        yield
+    finally:
+        kernel_side_table.get_kernel, _launch.FastLaunch.run = get_kernel, run
+        _launch.ENABLED = enabled
+        interpreter.InterpreterBuilder.create_inline_asm = builder
+        torch.cuda.current_device = current_device
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, (tuple, list)):
+        return [t for x in tree for t in _tensors(x)]
+    return []
+
+
+def _with_inputs(call):
+    """call's outputs, then its tensor arguments: their values after the call, so that
+    a graph's writes to its inputs are compared too (functionalization returns them as
+    values; AOTAutograd copies them back)."""
+    return lambda *args: (call(*args), _tensors(args))
+
+
+def _graph(call, real: list) -> torch.fx.GraphModule:
+    """The launcher traced as traced_graphs.traced_graph does, on fake CUDA tensors laid
+    out as `real`, its devices then moved to the CPU."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch._subclasses.functional_tensor import dispatch_functionalize
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    with FakeTensorMode():
+        fake = [torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="cuda")
+                if isinstance(a, torch.Tensor) else a for a in real]
+        gm = make_fx(dispatch_functionalize(_with_inputs(call)), tracing_mode="fake")(*fake)
+    for node in gm.graph.nodes:
+        if str(node.kwargs.get("device", "")).startswith("cuda"):
+            node.kwargs = {**node.kwargs, "device": torch.device("cpu")}
+    gm.recompile()
+    return gm
+
+
+def differences(name: str, twins: dict[str, object]) -> list[str]:
+    """What differs between the traced graph's run and the launcher's direct run."""
+    from fusedtrain import ops
+
+    call, make_args, _ = TG.CASES[name]
+    torch.manual_seed(0)
+    TG.DEVICE = "cpu"
+    try:
+        real = list(make_args())
+    finally:
+        TG.DEVICE = "cuda"
+    ops.trace_kernels(True)
+    try:
+        gm = _graph(call, real)
+    finally:
+        ops.trace_kernels(False)
+
+    def fresh() -> list:
+        return [a.clone() if isinstance(a, torch.Tensor) else a for a in real]
+
+    with _interpreted(twins):
+        traced = _tensors(gm(*fresh()))
+        direct = _tensors(_with_inputs(call)(*fresh()))
+    if len(traced) != len(direct):
+        return [f"{len(traced)} tensors out of the graph, {len(direct)} from the launcher"]
+    wrong = []
+    for i, (got, want) in enumerate(zip(traced, direct)):
+        if got.shape != want.shape or got.dtype != want.dtype or not torch.equal(got, want):
+            worst = ((got.double() - want.double()).abs().max().item()
+                     if got.shape == want.shape and got.numel() else "shape/dtype")
+            wrong.append(f"tensor {i} of {len(direct)} ({tuple(want.shape)}, {want.dtype}) "
+                         f"differs: max |traced - direct| = {worst}")
+    return wrong
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--cases", nargs="+", choices=list(TG.CASES), default=list(TG.CASES))
+    args = p.parse_args()
+    TG._on_a_fake_hopper()
+    twins = _interpreter_twins()
+    failed = 0
+    for name in args.cases:
+        start = time.perf_counter()
+        try:
+            wrong = differences(name, twins)
+        except Exception as e:  # noqa: BLE001 (reported per case, the others still run)
+            wrong = [f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"]
+        failed += bool(wrong)
+        print(f"{name:28s} {'FAIL' if wrong else 'ok  '} {time.perf_counter() - start:5.1f} s"
+              + "".join(f"\n    {w}" for w in wrong), flush=True)
+    print(f"{len(args.cases) - failed} of {len(args.cases)} traced graphs compute what their "
+          "launchers compute")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
