@@ -1,8 +1,9 @@
 """Trace every traceable launcher as torch.compile's functionalization does under
 `ops.trace_kernels()`, on a machine without a GPU, and check each graph: the op is gone,
-its Triton launches are there (`triton_kernel_wrapper_functional`), and no launch copies
-a tensor it only reads (Triton's mutation analysis of the kernel, for sm_90, found what
-the kernel writes).
+its Triton launches are there (`triton_kernel_wrapper_functional`), no launch copies a
+tensor it only reads (Triton's mutation analysis of the kernel, for sm_90, found what the
+kernel writes), and no launch is given a tensor the launcher made under two names that
+count as written (see _aliased_writes). scripts/traced_execution.py runs the graphs.
 
 Fake CUDA tensors stand in for the data and the kernels are defined for the GPU, not the
 interpreter (Triton's interpreter cannot be traced). A check of the graphs' structure, not
