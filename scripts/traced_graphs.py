@@ -114,6 +114,8 @@ CASES = {
     "attention_bwd": (ATT.attention_bwd, lambda: (
         *_heads(12, 12, 12, 12, 12), _t(2, 12, 256, dtype=F32), True, 0.125, -1, -1, 0.0, F32),
         _NONE),
+    "attention_bwd_no_bias": (ATT.attention_bwd, lambda: (
+        *_heads(12, 12, 12, 12, 12), _t(2, 12, 256, dtype=F32), False, 0.125), _NONE),
     "attention_bwd_grouped": (ATT.attention_bwd_grouped, lambda: (
         *_heads(12, 12, 4, 4, 12), _t(2, 12, 256, dtype=F32), True, 0.125, 128, 0, 30.0),
         _NONE),
