@@ -101,8 +101,13 @@ def _interpreted(twins: dict[str, object]) -> Iterator[None]:
     builder, current_device = (interpreter.InterpreterBuilder.create_inline_asm,
                                torch.cuda.current_device)
     kernel_side_table.get_kernel = lambda idx: _Twin(get_kernel(idx), twins)
-    _launch.FastLaunch.run = lambda self, grid, args, kwargs, plan_key=None: _Twin(
-        self.fn, twins)[grid](*args, **kwargs)
+
+    def direct(self, grid, args, kwargs, plan_key=None):
+        if _launch.tracing():  # a graph being traced records the launch, as ever
+            return run(self, grid, args, kwargs, plan_key)
+        return _Twin(self.fn, twins)[grid](*args, **kwargs)
+
+    _launch.FastLaunch.run = direct
     _launch.ENABLED = False  # no compiled-kernel plans: there is no compiled kernel
     interpreter.InterpreterBuilder.create_inline_asm = _emulated_inline_asm
     torch.cuda.current_device = lambda: 0  # the fake Hopper's properties are device 0's
