@@ -202,11 +202,13 @@ def _graph_input(node: torch.fx.Node) -> bool:
 
 def _aliased_writes(kernel: str, node: torch.fx.Node) -> list[str]:
     """A tensor handed to one launch under two names, one of them a name it writes.
-    Functionalization copies each written name's tensor apart and then puts every copy
-    back over the one input in turn, so the last name's copy wins: the kernel's writes
-    through the other name are lost (torch's TODO in triton_kernel_wrap.py). Graph
-    inputs are left out: these launchers only read them (ids, sequence starts), so every
-    copy put back is equal."""
+    Functionalization copies each name counted as written apart and then puts every copy
+    back over the one input in turn, so the last name's copy wins: should Triton's
+    mutation analysis count a second name (as it does a pointer whose loads feed a store's
+    address, and every pointer where it fails), the kernel's writes through the first are
+    lost (torch's TODO in triton_kernel_wrap.py; `_launch.stand_in`). Graph inputs are
+    left out: these launchers only read them (ids, sequence starts), so every copy put
+    back is equal."""
     written = node.kwargs["tensors_to_clone"]
     names: dict[torch.fx.Node, list[str]] = {}
     for key, value in node.kwargs["kwargs"].items():
@@ -215,7 +217,7 @@ def _aliased_writes(kernel: str, node: torch.fx.Node) -> list[str]:
     return [f"{kernel}: one tensor passed as {', '.join(keys)}, written as "
             f"{', '.join(k for k in keys if k in written)}"
             for node, keys in names.items()
-            if sum(k in written for k in keys) > 1 and not _graph_input(node)]
+            if len(keys) > 1 and any(k in written for k in keys) and not _graph_input(node)]
 
 
 def problems(name: str, gm: torch.fx.GraphModule) -> tuple[list[str], list[str]]:

@@ -186,7 +186,8 @@ def test_traced_graphs_compute_what_their_launchers_compute(tmp_path):
     """scripts/traced_execution.py: each traceable launcher's functionalized graph, run on
     CPU tensors with every launch through the kernel's interpreter twin, gives bit for bit
     the outputs and input writes of the launcher called directly (the check that caught the
-    attention's lse and delta lost to functionalization)."""
+    attention's lse and delta lost to functionalization); and the tiny gpt2 and llama
+    compiled under trace_kernels (AOTAutograd, no Inductor) give the uncompiled gradients."""
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "traced_execution.py")],
                        capture_output=True, text=True, timeout=900,
                        env={**os.environ, "TRITON_CACHE_DIR": str(tmp_path)})
@@ -195,6 +196,7 @@ def test_traced_graphs_compute_what_their_launchers_compute(tmp_path):
 
     done, cases = map(int, re.search(r"(\d+) of (\d+) traced graphs compute", r.stdout).groups())
     assert done == cases >= len(_registry.TRACEABLE)
+    assert "2 of 2 traced models compute the uncompiled model's gradients" in r.stdout
 
 
 def test_trace_kernels_is_refused_by_the_interpreter():

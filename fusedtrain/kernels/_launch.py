@@ -89,6 +89,18 @@ def address(t: torch.Tensor) -> int:
     return t.storage_offset() * t.element_size() if _TRACING else t.data_ptr()
 
 
+def stand_in(written: torch.Tensor) -> torch.Tensor:
+    """What to pass for a pointer a launch neither reads nor writes (its constexpr off),
+    given a buffer the launch writes through another argument. Eager: that buffer itself
+    (no allocation). Traced: a one-element tensor of its own. Functionalization copies
+    every argument Triton's mutation analysis counts as written (a pointer whose loads
+    feed a store's address counts; where the analysis fails, every pointer does), runs the
+    kernel on the copies and puts each copy back over the tensor it was passed as, in
+    argument order: a tensor passed under two such names ends up as the later name's copy,
+    and the writes through the earlier one are lost."""
+    return written.new_empty(1) if _TRACING else written
+
+
 def _traced(kernel, grid, args: tuple, kwargs: dict) -> None:
     from torch.library import wrap_triton
 

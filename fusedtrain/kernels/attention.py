@@ -47,7 +47,7 @@ from fusedtrain.kernels._device import (
     next_pow2,
     stat_dtype,
 )
-from fusedtrain.kernels._launch import tracing
+from fusedtrain.kernels._launch import stand_in
 from fusedtrain.kernels._primitives import cdiv, device_fn, row_max, row_sum, tanh
 from fusedtrain.kernels._tma import enable_device_descriptors, matrix_desc, tma_ok
 from fusedtrain.kernels._tuning import autotune
@@ -447,26 +447,14 @@ def packed_strides(t: torch.Tensor) -> tuple[int, int, int, int]:
     return 0, t.stride(1), t.stride(0), t.stride(2)
 
 
-def unread_sequence_starts(written: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stand-ins for cu_seqlens (q's and k's), which the kernels do not read without
-    VARLEN. Eager: `written` itself, a buffer the launch writes anyway (no allocation).
-    Traced: one-element tensors of their own. Inductor counts the stand-ins as written
-    (loads feeding a store's address), and functionalization copies every written name
-    apart and puts each copy back over the tensor it was passed as, in argument order: a
-    tensor passed under three names ends up as the last name's copy, the unwritten one,
-    and the launch's real writes to it (the forward's lse, the backward's delta) are lost."""
-    if not tracing():
-        return written, written
-    return tuple(written.new_empty(1, dtype=torch.int32) for _ in range(2))
-
-
 def _launch_fwd(q, k, v, o, lse, cu_seqlens, dims, q_strides, k_strides, v_strides,
                 o_strides, causal, softmax_scale, window, softcap) -> None:
     """The forward kernel over dense (cu_seqlens None) or packed tensors, their strides as
     (batch, head, row, d)."""
     B, H = dims[:2]
     varlen = cu_seqlens is not None
-    cu_q, cu_k = cu_seqlens if varlen else unread_sequence_starts(lse)
+    # not read without VARLEN
+    cu_q, cu_k = cu_seqlens if varlen else (stand_in(lse), stand_in(lse))
     key = (q.shape, k.shape, q.stride(), k.stride(), v.stride(), q.dtype, dims, causal, window,
            softcap > 0)
     _attn_fwd_kernel.planned(key, (

@@ -10,6 +10,7 @@ import triton
 import triton.language as tl
 
 from fusedtrain.kernels._device import ceil_div, dot_precision, stat_dtype
+from fusedtrain.kernels._launch import stand_in
 from fusedtrain.kernels._primitives import cdiv, device_fn, row_sum, tanh
 from fusedtrain.kernels._tuning import autotune
 from fusedtrain.kernels.attention import (
@@ -43,7 +44,6 @@ from fusedtrain.kernels.attention import (
     kernel_args,
     output_buffer,
     packed_strides,
-    unread_sequence_starts,
 )
 from fusedtrain.kernels.bias_grad import bias_grad
 
@@ -381,13 +381,13 @@ def attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
     B, H, HK, T, S, D = dims
     delta = torch.empty_like(lse)  # rowsum(dO * O): written by the dq kernel
     if not varlen:
-        cu_q, cu_k = unread_sequence_starts(delta)
+        cu_q, cu_k = stand_in(delta), stand_in(delta)  # not read without VARLEN
     dq, dk, dv = grads
     bias_sums = bias_grad_dtype is not None
     if bias_sums and (varlen or not packed_grads(q, k, v)):
         raise ValueError("a QKV bias gradient needs q, k and v of one (B, H, T, D) shape")
     parts = (torch.empty((B * ceil_div(T, BIAS_GRAIN), 3 * H * D), device=q.device,
-                         dtype=stat_dtype(q)) if bias_sums else delta)  # delta: not written
+                         dtype=stat_dtype(q)) if bias_sums else stand_in(delta))  # not written
     shared = kernel_args(q, dims, causal, window, softmax_scale, softcap)
     strides = (*layout(q), *layout(k), *layout(v), *layout(do))
     key = (q.shape, k.shape, q.stride(), k.stride(), v.stride(), do.stride(), o.stride(),

@@ -28,7 +28,7 @@ import triton.language as tl
 
 from fusedtrain.kernels import INTERPRET
 from fusedtrain.kernels._device import acc_dtype, ceil_div, stat_dtype
-from fusedtrain.kernels._launch import fast_launch
+from fusedtrain.kernels._launch import fast_launch, stand_in
 from fusedtrain.kernels._primitives import device_fn, row_max, row_sum
 from fusedtrain.kernels._tma import gluon_ok
 
@@ -178,7 +178,8 @@ def _kept_rows(loss: torch.Tensor | None, targets: torch.Tensor, ignore_index: i
     mean = torch.empty((), device=targets.device, dtype=dtype) if has_loss else None
     _kept_rows_kernel.planned(
         (M, dtype, targets.dtype, ignore_index, has_loss),
-        (loss if has_loss else inv, targets, mean if has_loss else inv, inv, count, M,
+        (loss if has_loss else stand_in(inv), targets, mean if has_loss else stand_in(inv), inv,
+         count, M,
          ignore_index),
         lambda: ((1,), dict(HAS_LOSS=has_loss, ACC=acc_dtype(inv), BLOCK=1024, num_warps=4)))
     return count, inv, mean

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from fusedtrain.kernels._device import ceil_div, stat_dtype
-from fusedtrain.kernels._launch import fast_launch
+from fusedtrain.kernels._launch import fast_launch, stand_in
 
 # 16 tokens x 256 columns a program: 4K elements, 16 per thread at 8 warps (each with its
 # own 64-bit address).
@@ -134,8 +134,8 @@ def embedding_bwd(idx: torch.Tensor, dy: torch.Tensor, num_rows: int,
     target = dw if dpos is None else dpos  # not written without positions
     pid = idx if position_ids is None else position_ids.contiguous()  # nor this read
     _embedding_bwd_kernel[_grid(N, C)](
-        idx, pid, dy, dw, target, N, C, seq_len, num_rows, target.shape[0], dy.stride(0),
-        dw.stride(0), target.stride(0),
+        idx, pid, dy, dw, stand_in(dw) if dpos is None else dpos, N, C, seq_len, num_rows,
+        target.shape[0], dy.stride(0), dw.stride(0), target.stride(0),
         POSITIONS=dpos is not None, POSITION_IDS=position_ids is not None,
         BLOCK_T=_BLOCK_T, BLOCK_C=_BLOCK_C, num_warps=_WARPS)
     return dw, dpos

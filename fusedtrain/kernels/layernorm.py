@@ -24,7 +24,7 @@ import triton.language as tl
 
 from fusedtrain.kernels import INTERPRET
 from fusedtrain.kernels._device import acc_dtype, ceil_div, next_pow2, sm_count, stat_dtype
-from fusedtrain.kernels._launch import plan_once
+from fusedtrain.kernels._launch import plan_once, stand_in
 from fusedtrain.kernels._primitives import device_fn, row_sum
 from fusedtrain.kernels._tuning import cached_autotune, graph_timed
 from fusedtrain.kernels.bias_grad import column_sums
@@ -357,7 +357,8 @@ def layer_norm_fwd(x: torch.Tensor, residual: torch.Tensor | None, weight: torch
 
     _ln_fwd_kernel.planned(key, (
         x, x if x_bias is None else x_bias, residual if has_res else x,
-        x if weight is None else weight, x if bias is None else bias, y, s if has_res else y,
+        x if weight is None else weight, x if bias is None else bias, y,
+        s if has_res else stand_in(y),
         stats, M, C, eps, *strides), launch)
     return y, s, stats
 
@@ -413,7 +414,7 @@ def layer_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | Non
     sums = torch.empty(n_sums, C, dtype=sums_dtype or part_dtype, device=device)
     _ln_bwd_kernel.planned(key, (
         dy, x, x if weight is None else weight, x if bias is None else bias, stats,
-        dy if ds is None else ds, dx, dx if dx2 is None else dx2, parts, M, C,
+        dy if ds is None else ds, dx, stand_in(dx) if dx2 is None else dx2, parts, M, C,
         s_dy, s_x, s_dy if ds is None else s_ds, C, C), lambda: ((G,), dict(
             HAS_W=weight is not None, HAS_B=bias is not None, HAS_DS=ds is not None,
             HAS_DX2=dx2 is not None, DX_SUMS=dx_sums, GELU=_gelu_code(approximate, dx),

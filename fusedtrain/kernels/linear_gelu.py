@@ -27,7 +27,7 @@ import triton.language as tl
 from fusedtrain.kernels import INTERPRET
 from fusedtrain.kernels._device import acc_dtype, ceil_div, stat_dtype
 from fusedtrain.kernels._gemm import INTERPRET_GEMM, WIDE_GEMM, gemm_configs, gemm_flags, gemm_tile
-from fusedtrain.kernels._launch import fast_launch, operand_signature, plan_once
+from fusedtrain.kernels._launch import fast_launch, operand_signature, plan_once, stand_in
 from fusedtrain.kernels._primitives import cdiv, device_fn, tile_ptrs
 from fusedtrain.kernels._tma import (
     TmaConfig,
@@ -294,7 +294,7 @@ def linear_gelu_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     N = weight.shape[0]
     y = torch.empty(M, N, device=x.device, dtype=x.dtype)
     h = torch.empty(M, N, device=x.device, dtype=x.dtype) if store_h else None
-    h_arg = h if store_h else y  # never written when STORE_H is off
+    h_arg = h if store_h else stand_in(y)  # never written when STORE_H is off
     b_arg = bias if bias is not None else x
     key = None if config else (*operand_signature("fwd", x, weight), bias is None, approximate,
                                store_h)

@@ -33,7 +33,7 @@ from fusedtrain.kernels._gemm import (
     gemm_tile,
     grouped_tile,
 )
-from fusedtrain.kernels._launch import fast_launch, operand_signature, plan_once
+from fusedtrain.kernels._launch import fast_launch, operand_signature, plan_once, stand_in
 from fusedtrain.kernels._primitives import cdiv, device_fn, sigmoid, tile_ptrs
 from fusedtrain.kernels._tma import (
     TmaConfig,
@@ -297,7 +297,8 @@ def swiglu_fwd(x: torch.Tensor, gate_weight: torch.Tensor, up_weight: torch.Tens
     M, K = x.shape
     N = gate_weight.shape[0]
     h = torch.empty((M, N), device=x.device, dtype=x.dtype)
-    g, u = (torch.empty_like(h) for _ in range(2)) if store_gu else (h, h)  # h: not written
+    # not written without STORE_GU
+    g, u = (torch.empty_like(h) for _ in range(2)) if store_gu else (stand_in(h), stand_in(h))
     key = None if config else (*operand_signature("swiglu_fwd", x, gate_weight, up_weight),
                                store_gu)
     use_tma, flags = plan_once(key, lambda: (tma_ok(x, gate_weight, up_weight, h),
