@@ -29,6 +29,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import torch
+import torch.utils._pytree as pytree
 import traced_graphs as TG  # before fusedtrain: fake CUDA, kernels defined for the GPU
 from triton.runtime import interpreter
 from triton.runtime.autotuner import Autotuner
@@ -123,11 +124,7 @@ def _interpreted(twins: dict[str, object]) -> Iterator[None]:
 
 
 def _tensors(tree) -> list[torch.Tensor]:
-    if isinstance(tree, torch.Tensor):
-        return [tree]
-    if isinstance(tree, (tuple, list)):
-        return [t for x in tree for t in _tensors(x)]
-    return []
+    return [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
 
 
 def _with_inputs(call):
@@ -140,14 +137,9 @@ def _with_inputs(call):
 def _graph(call, real: list) -> torch.fx.GraphModule:
     """The launcher traced as traced_graphs.traced_graph does, on fake CUDA tensors laid
     out as `real`, its devices then moved to the CPU."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch._subclasses.functional_tensor import dispatch_functionalize
-    from torch.fx.experimental.proxy_tensor import make_fx
-
-    with FakeTensorMode():
-        fake = [torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="cuda")
-                if isinstance(a, torch.Tensor) else a for a in real]
-        gm = make_fx(dispatch_functionalize(_with_inputs(call)), tracing_mode="fake")(*fake)
+    gm = TG.functionalized(_with_inputs(call), lambda: [
+        torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="cuda")
+        if isinstance(a, torch.Tensor) else a for a in real])
     for node in gm.graph.nodes:
         if str(node.kwargs.get("device", "")).startswith("cuda"):
             node.kwargs = {**node.kwargs, "device": torch.device("cpu")}
@@ -211,11 +203,11 @@ def model_differences(blocks: str, twins: dict[str, object]) -> list[str]:
     idx = torch.randint(0, 128, (2, 33))
 
     def step(loss_fn) -> dict[str, torch.Tensor]:
-        loss_fn(idx[:, :-1], idx[:, 1:]).backward()
+        loss = loss_fn(idx[:, :-1], idx[:, 1:])
+        loss.backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        grads["loss"] = loss_fn(idx[:, :-1], idx[:, 1:]).detach()
         model.zero_grad(set_to_none=True)
-        return grads
+        return {**grads, "loss": loss.detach()}
 
     with _interpreted(twins):
         want = step(model.loss)

@@ -20,6 +20,7 @@ import importlib
 import os
 import sys
 import types
+from collections.abc import Callable
 from operator import getitem
 
 import torch
@@ -173,17 +174,21 @@ def _cu() -> tuple[torch.Tensor, torch.Tensor]:
     return cu, cu
 
 
-def traced_graph(name: str) -> torch.fx.GraphModule:
-    """The launcher's graph as AOTAutograd's functionalization traces it."""
+def functionalized(fn: Callable, make_args: Callable[[], list]) -> torch.fx.GraphModule:
+    """fn's graph as AOTAutograd's functionalization traces it, on the fake tensors
+    make_args() makes under a FakeTensorMode."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch._subclasses.functional_tensor import dispatch_functionalize
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    call, make_args, _ = CASES[name]
-
     with FakeTensorMode():
-        args = make_args()
-        return make_fx(dispatch_functionalize(lambda *a: call(*a)), tracing_mode="fake")(*args)
+        return make_fx(dispatch_functionalize(fn), tracing_mode="fake")(*make_args())
+
+
+def traced_graph(name: str) -> torch.fx.GraphModule:
+    """The launcher's graph as AOTAutograd's functionalization traces it."""
+    call, make_args, _ = CASES[name]
+    return functionalized(lambda *a: call(*a), make_args)
 
 
 # What a tensor handed to a kernel may be derived through and still be the same memory.

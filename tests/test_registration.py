@@ -4,6 +4,7 @@ ops really give it in a forward and backward pass: what torch.compile relies on.
 
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -192,8 +193,6 @@ def test_traced_graphs_compute_what_their_launchers_compute(tmp_path):
                        capture_output=True, text=True, timeout=900,
                        env={**os.environ, "TRITON_CACHE_DIR": str(tmp_path)})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
-    import re
-
     done, cases = map(int, re.search(r"(\d+) of (\d+) traced graphs compute", r.stdout).groups())
     assert done == cases >= len(_registry.TRACEABLE)
     assert "2 of 2 traced models compute the uncompiled model's gradients" in r.stdout
@@ -288,8 +287,6 @@ def test_gpu_traced_model_trains_as_the_uncompiled_one(blocks):
     """Three AdamW steps of the fused model (every family) compiled under
     ops.trace_kernels() against uncompiled from the same weights: the same losses within
     bf16's rounding, and Inductor's code calls no fusedtrain op but the weight-copy cast."""
-    import re
-
     from torch._inductor.utils import run_and_get_code
 
     from fusedtrain.model import GPT, KERNEL_FAMILIES, GPTConfig

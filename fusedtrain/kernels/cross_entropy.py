@@ -179,8 +179,7 @@ def _kept_rows(loss: torch.Tensor | None, targets: torch.Tensor, ignore_index: i
     _kept_rows_kernel.planned(
         (M, dtype, targets.dtype, ignore_index, has_loss),
         (loss if has_loss else stand_in(inv), targets, mean if has_loss else stand_in(inv), inv,
-         count, M,
-         ignore_index),
+         count, M, ignore_index),
         lambda: ((1,), dict(HAS_LOSS=has_loss, ACC=acc_dtype(inv), BLOCK=1024, num_warps=4)))
     return count, inv, mean
 

@@ -131,11 +131,11 @@ def embedding_bwd(idx: torch.Tensor, dy: torch.Tensor, num_rows: int,
         dw = torch.zeros((num_rows, C), device=dy.device, dtype=acc)
     dpos = (torch.zeros((num_positions, C), device=dy.device, dtype=acc) if num_positions
             else None)
-    target = dw if dpos is None else dpos  # not written without positions
+    target = stand_in(dw) if dpos is None else dpos  # not written without positions
     pid = idx if position_ids is None else position_ids.contiguous()  # nor this read
     _embedding_bwd_kernel[_grid(N, C)](
-        idx, pid, dy, dw, stand_in(dw) if dpos is None else dpos, N, C, seq_len, num_rows,
-        target.shape[0], dy.stride(0), dw.stride(0), target.stride(0),
+        idx, pid, dy, dw, target, N, C, seq_len, num_rows, target.shape[0], dy.stride(0),
+        dw.stride(0), target.stride(0),
         POSITIONS=dpos is not None, POSITION_IDS=position_ids is not None,
         BLOCK_T=_BLOCK_T, BLOCK_C=_BLOCK_C, num_warps=_WARPS)
     return dw, dpos
