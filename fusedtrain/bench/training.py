@@ -109,6 +109,10 @@ def train_setup(model_name: str, batch: int, seq: int, n_batches: int, variant: 
     model = GPT(cfg).to(device)
     mode = variant["compile"]
     if mode:
+        # Dynamo's cache keys on GPT.loss's code and guards that a new model of the same
+        # shapes passes: without the reset a variant reuses the previous one's compilation
+        # (seen on the H100: the traced variant's first step took 0.08 s, no compile).
+        torch._dynamo.reset()
         ops.register_inductor_fallbacks()
         ops.trace_kernels(variant.get("trace_kernels", False))
     loss_fn = torch.compile(model.loss, mode=None if mode == "default" else mode) if mode \

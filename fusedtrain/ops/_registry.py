@@ -101,7 +101,8 @@ def trace_kernels(enabled: bool = True) -> None:
     """Let torch.compile (AOTAutograd's functionalization) trace the launchers registered
     with traceable=True into their Triton launches (`torch.library.wrap_triton`, as
     torch.library.triton_op does), or keep them opaque (the default). Takes effect at the
-    next compilation. Triton's interpreter cannot be traced: wrap_triton hands an
+    next compilation (a function Dynamo already compiled keeps its choice until
+    torch._dynamo.reset()). Triton's interpreter cannot be traced: wrap_triton hands an
     interpreted kernel back to be called, and it cannot read a traced tensor."""
     global _TRACE_KERNELS
     if enabled and INTERPRET:
