@@ -196,13 +196,21 @@ _VIEWS = (getitem, torch.ops.aten.unbind.int, torch.ops.aten.select_scatter.defa
           torch.ops.aten.slice_scatter.default)
 
 
+def _root(node: torch.fx.Node) -> torch.fx.Node:
+    """The tensor node is a view of (itself if none). A launch's outputs, items of its
+    node, are tensors of their own."""
+    while node.op == "call_function" and (getattr(node.target, "is_view", False)
+                                          or node.target in _VIEWS):
+        if node.args[0].target is torch.ops.higher_order.triton_kernel_wrapper_functional:
+            break
+        node = node.args[0]
+    return node
+
+
 def _graph_input(node: torch.fx.Node) -> bool:
     """Whether node is a graph input, or a view of one (not a tensor the launcher
     allocated, nor an earlier launch's output)."""
-    while node.op == "call_function" and (getattr(node.target, "is_view", False)
-                                          or node.target in _VIEWS):
-        node = node.args[0]
-    return node.op == "placeholder"
+    return _root(node).op == "placeholder"
 
 
 def _aliased_writes(kernel: str, node: torch.fx.Node) -> list[str]:
@@ -216,13 +224,23 @@ def _aliased_writes(kernel: str, node: torch.fx.Node) -> list[str]:
     back is equal."""
     written = node.kwargs["tensors_to_clone"]
     names: dict[torch.fx.Node, list[str]] = {}
+    views: dict[torch.fx.Node, set[torch.fx.Node]] = {}  # written views, by their buffer
     for key, value in node.kwargs["kwargs"].items():
         if isinstance(value, torch.fx.Node):
             names.setdefault(value, []).append(key)
-    return [f"{kernel}: one tensor passed as {', '.join(keys)}, written as "
-            f"{', '.join(k for k in keys if k in written)}"
-            for node, keys in names.items()
-            if len(keys) > 1 and any(k in written for k in keys) and not _graph_input(node)]
+            if key in written and not _graph_input(value):
+                views.setdefault(_root(value), set()).add(value)
+    wrong = [f"{kernel}: one tensor passed as {', '.join(keys)}, written as "
+             f"{', '.join(k for k in keys if k in written)}"
+             for node, keys in names.items()
+             if len(keys) > 1 and any(k in written for k in keys) and not _graph_input(node)]
+    # Two written views of one buffer: functionalization copies each apart from the
+    # storage's start to its own end (clone_preserve_strides), and Inductor (torch 2.11)
+    # read the second view's copy out of the first's, past its end: an illegal memory
+    # access on the GPU at gpt2's shape (the attention's dk and dv).
+    return wrong + [f"{kernel}: written views of one buffer passed as "
+                    f"{', '.join(k for v in sorted(vs, key=str) for k in names[v])}"
+                    for vs in views.values() if len(vs) > 1]
 
 
 def problems(name: str, gm: torch.fx.GraphModule) -> tuple[list[str], list[str]]:

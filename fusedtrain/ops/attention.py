@@ -11,6 +11,7 @@ from torch.utils.flop_counter import register_flop_formula
 from fusedtrain.kernels import attention as K
 from fusedtrain.kernels import attention_bwd as KB
 from fusedtrain.kernels._device import stat_dtype
+from fusedtrain.kernels._launch import tracing
 from fusedtrain.ops._registry import function_apply, launcher
 from fusedtrain.ops._validate import autocast_cast, check_same, check_tensor
 
@@ -38,9 +39,19 @@ def attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: T
     out as K.grad_buffer (a custom op's outputs may not alias, so the three views are taken
     by the caller); and the gradient (3C,) of a bias added to q, k, v before the attention,
     in bias_grad_dtype, or an empty tensor without one (see KB.attention_bwd)."""
-    grads = K.grad_buffer(q)
-    db = KB.attention_bwd(do, q, k, v, o, lse, grads.unbind(0), causal, softmax_scale,
-                          (window_left, window_right), softcap, bias_grad_dtype)
+    if tracing():
+        # dq, dk, dv as three buffers, stacked into grad_buffer's layout after (one copy):
+        # functionalization copies each written view of one buffer apart from the storage
+        # offset up, and Inductor (torch 2.11) then read dk's copy past dq's end: an illegal
+        # memory access at gpt2's shape on an H100 (docs/journal.md).
+        parts = tuple(K.output_buffer(q) for _ in range(3))
+        db = KB.attention_bwd(do, q, k, v, o, lse, parts, causal, softmax_scale,
+                              (window_left, window_right), softcap, bias_grad_dtype)
+        grads = torch.stack([g.transpose(1, 2) for g in parts], dim=2).permute(2, 0, 3, 1, 4)
+    else:
+        grads = K.grad_buffer(q)
+        db = KB.attention_bwd(do, q, k, v, o, lse, grads.unbind(0), causal, softmax_scale,
+                              (window_left, window_right), softcap, bias_grad_dtype)
     return grads, db if db is not None else q.new_empty(0)
 
 
