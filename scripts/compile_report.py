@@ -18,7 +18,7 @@ triton==3.6.0`): the figures guide, the GPU decides.
       [--bias-sums] [--rope]
       [--kernels fwd dkdv dq linear_gelu_fwd dgelu gelu_rhs qkv_fwd qkv_fwd_pointer qkv_dx
                  qkv_dw emb_fwd emb_bwd
-                 swiglu_fwd dswiglu swiglu_rhs swiglu_fwd_tma dswiglu_tma swiglu_rhs_tma rope
+                 swiglu_fwd swiglu_bwd swiglu_fwd_tma rope
                  linear_gelu_fwd_ws dgelu_ws qkv_fwd_ws ce_smem]
 
 The last four are Gluon kernels (the warp-specialised GEMMs of kernels.gemm_gluon and the
@@ -116,12 +116,9 @@ KERNELS = {"fwd": (A._attn_fwd_kernel, (A.FWD_CONFIGS, A.FWD_HEAD_256), {}),
            "emb_fwd": (E._embedding_fwd_kernel, _EMB_CONFIG, _EMB_POINTERS),
            "emb_bwd": (E._embedding_bwd_kernel, _EMB_CONFIG, _EMB_POINTERS),
            "swiglu_fwd": (SW._swiglu_fwd_kernel, gemm_configs(SW._SHAPES), {}),
-           "dswiglu": (SW._matmul_dswiglu_kernel, gemm_configs(SW._SHAPES), {}),
-           "swiglu_rhs": (SW._matmul_swiglu_rhs_kernel, gemm_configs(SW._SHAPES), {}),
+           "swiglu_bwd": (SW._swiglu_bwd_kernel, [triton.Config(
+               {"BLOCK_M": SW._BWD_TILE[0], "BLOCK_N": SW._BWD_TILE[1]}, num_warps=8)], {}),
            "swiglu_fwd_tma": (SW._swiglu_fwd_tma_kernel, [_tma_tiles(SW._TMA_TILES)], {}),
-           "dswiglu_tma": (SW._matmul_dswiglu_tma_kernel, [_tma_tiles(SW._TMA_TILES)], {}),
-           "swiglu_rhs_tma": (SW._matmul_swiglu_rhs_tma_kernel, [_tma_tiles(SW._TMA_TILES)],
-                              {}),
            "rope": (R._rope_kernel, [triton.Config({"BLOCK_T": R._BLOCK_T, "BLOCK_D": 64})],
                     _ROPE_POINTERS)}
 

@@ -138,10 +138,8 @@ CASES = {
                    _NONE),
     "swiglu_infer": (SW._swiglu_infer, lambda: (_t(256, 768), _t(2048, 768), _t(2048, 768)),
                      _NONE),
-    "matmul_dswiglu": (SW._matmul_dswiglu, lambda: (
+    "swiglu_bwd": (SW._swiglu_bwd, lambda: (
         _t(256, 768), _t(768, 2048), _t(256, 2048), _t(256, 2048)), _NONE),
-    "matmul_swiglu_rhs": (SW._matmul_swiglu_rhs, lambda: (
-        _t(4096, 768), _t(4096, 2048), _t(4096, 2048), F32), _NONE),
     "qkv_fwd": (QKV.qkv_fwd, lambda: (
         _t(2, 128, 768), _t(2304, 768), _t(2304), 12, 12, None, None), _NONE),
     "qkv_fwd_grouped_rotated": (QKV.qkv_fwd, lambda: (

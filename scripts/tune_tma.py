@@ -88,22 +88,14 @@ def qkv_cases(B: int, T: int, C: int, H: int) -> dict:
 
 
 def swiglu_cases(M: int, C: int, H: int) -> dict:
-    """name -> (run(config), reference, cuBLAS GEMM of the same size) for the SwiGLU GEMMs
-    (C_out = C)."""
+    """name -> (run(config), reference, cuBLAS GEMM of the same size) for the SwiGLU forward
+    GEMM (its backward's GEMMs are cuBLAS's)."""
     bf = dict(device="cuda", dtype=torch.bfloat16)
     x, wg, wu = torch.randn(M, C, **bf), *(torch.randn(H, C, **bf) / C ** 0.5 for _ in range(2))
-    wd, dy = torch.randn(C, H, **bf) / H ** 0.5, torch.randn(M, C, **bf)
-    g, u = torch.randn(M, H, **bf), torch.randn(M, H, **bf)
     F = torch.nn.functional
     return {
         "swiglu_fwd": (lambda c: SW.swiglu_fwd(x, wg, wu, True, config=c)[2],
                        lambda: F.silu(x @ wg.t()) * (x @ wu.t()), lambda: x @ wg.t()),
-        "matmul_dswiglu": (lambda c: SW.matmul_dswiglu(dy, wd, g, u, config=c)[1],
-                           lambda: (dy @ wd).float() * F.silu(g.float()), lambda: dy @ wd),
-        "matmul_swiglu_rhs": (lambda c: SW.matmul_swiglu_rhs(dy, g, u, torch.bfloat16,
-                                                             config=c),
-                              lambda: dy.t() @ (F.silu(g.float()) * u.float()).bfloat16(),
-                              lambda: dy.t() @ g),
     }
 
 

@@ -37,31 +37,39 @@ def test_matches_the_twin_at_odd_shapes(M, C, H, C_out):
 
 
 @pytest.mark.parametrize("M,C,H,C_out", [(300, 32, 48, 40), (16, 16, 32, 16)])
-def test_tma_kernels_match_the_math(M, C, H, C_out, monkeypatch):
-    """The three TMA kernels with 16 x 32 tiles walked by five persistent programs (ragged
-    tails in every dimension of the first case), dWd split over three 128-token slices;
-    the pointer kernels must not run."""
+def test_tma_forward_matches_the_math(M, C, H, C_out, monkeypatch):
+    """The TMA forward with 16 x 32 tiles walked by five persistent programs (ragged tails
+    in every dimension of the first case); the pointer kernel must not run."""
     from fusedtrain.kernels import swiglu as K
     from fusedtrain.kernels._tma import TmaConfig
 
     monkeypatch.setattr(TmaConfig, "programs", lambda self, work, device: min(work, 5))
-    monkeypatch.setattr(K, "k_splits", lambda tiles, K_len, device: 3)
-    for name in ("_swiglu_fwd_kernel", "_matmul_dswiglu_kernel", "_matmul_swiglu_rhs_kernel"):
-        monkeypatch.setattr(K, name, None)
+    monkeypatch.setattr(K, "_swiglu_fwd_kernel", None)
     small = TmaConfig(block_m=16, block_n=32, block_k=16, num_warps=4, num_stages=1)
-    x, wg, wu, wd = (t.detach() for t in _inputs((M,), C, H, C_out))
+    x, wg, wu, _ = (t.detach() for t in _inputs((M,), C, H, C_out))
     g, u, h = K.swiglu_fwd(x, wg, wu, store_gu=True, config=small)
     torch.testing.assert_close(g, x @ wg.T)
     torch.testing.assert_close(u, x @ wu.T)
     torch.testing.assert_close(h, torch.nn.functional.silu(g) * u)
     assert K.swiglu_fwd(x, wg, wu, store_gu=False, config=small)[0] is None
-    dy = torch.randn(M, C_out, dtype=F64)
-    dh = dy @ wd
-    s = torch.sigmoid(g)
-    dg, du = K.matmul_dswiglu(dy, wd, g, u, config=small)
+
+
+@pytest.mark.parametrize("M,N", [(1, 1), (65, 129), (130, 300)])
+def test_backward_pass_matches_the_math(M, N):
+    """swiglu_bwd past one tile in both dimensions, with g and u of row strides other than
+    dh's (columns of a wider buffer): dg over dh, du and the recomputed h."""
+    from fusedtrain.kernels import swiglu as K
+
+    gen = torch.Generator().manual_seed(1)
+    C_out = 7
+    dy = torch.randn(M, C_out, generator=gen, dtype=F64)
+    wd = torch.randn(C_out, N, generator=gen, dtype=F64)
+    g, u = torch.randn(2, M, N + 3, generator=gen, dtype=F64)[..., :N].unbind(0)
+    dg, du, h = K.swiglu_bwd(dy, wd, g, u)
+    dh, s = dy @ wd, torch.sigmoid(g)
     torch.testing.assert_close(dg, dh * u * s * (1 + g * (1 - s)))
     torch.testing.assert_close(du, dh * g * s)
-    torch.testing.assert_close(K.matmul_swiglu_rhs(dy, g, u, F64, config=small), dy.T @ h)
+    torch.testing.assert_close(h, g * s * u)
 
 
 def test_saves_the_two_pre_activations_only():

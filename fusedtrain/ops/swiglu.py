@@ -42,25 +42,16 @@ def _(x, gate_weight, up_weight):
     return x.new_empty((x.shape[0], gate_weight.shape[0]))
 
 
-@launcher("matmul_dswiglu", traceable=True)
-def _matmul_dswiglu(dy: Tensor, down_weight: Tensor, g: Tensor,
-                    u: Tensor) -> tuple[Tensor, Tensor]:
-    return K.matmul_dswiglu(dy, down_weight, g, u)
+@launcher("swiglu_bwd", traceable=True)
+def _swiglu_bwd(dy: Tensor, down_weight: Tensor, g: Tensor,
+                u: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(dg, du, h): see K.swiglu_bwd."""
+    return K.swiglu_bwd(dy, down_weight, g, u)
 
 
-@_matmul_dswiglu.register_fake
+@_swiglu_bwd.register_fake
 def _(dy, down_weight, g, u):
-    return torch.empty_like(g), torch.empty_like(g)
-
-
-@launcher("matmul_swiglu_rhs", traceable=True)
-def _matmul_swiglu_rhs(dy: Tensor, g: Tensor, u: Tensor, out_dtype: torch.dtype) -> Tensor:
-    return K.matmul_swiglu_rhs(dy, g, u, out_dtype)
-
-
-@_matmul_swiglu_rhs.register_fake
-def _(dy, g, u, out_dtype):
-    return dy.new_empty((dy.shape[1], g.shape[1]), dtype=out_dtype)
+    return torch.empty_like(g), torch.empty_like(g), torch.empty_like(g)
 
 
 @register_flop_formula([torch.ops.fusedtrain.swiglu_fwd, torch.ops.fusedtrain.swiglu_infer])
@@ -68,19 +59,14 @@ def _(x_shape, gate_shape, *args, **kwargs) -> int:
     return 2 * 2 * x_shape[0] * x_shape[1] * gate_shape[0]
 
 
-@register_flop_formula(torch.ops.fusedtrain.matmul_dswiglu)
+@register_flop_formula(torch.ops.fusedtrain.swiglu_bwd)
 def _(dy_shape, w_shape, *args, **kwargs) -> int:
     return 2 * dy_shape[0] * dy_shape[1] * w_shape[1]
 
 
-@register_flop_formula(torch.ops.fusedtrain.matmul_swiglu_rhs)
-def _(dy_shape, g_shape, *args, **kwargs) -> int:
-    return 2 * dy_shape[0] * dy_shape[1] * g_shape[1]
-
-
 class SwiGLUMLPFunction(torch.autograd.Function):
-    """Saves x, the weights (cast) and g, u; silu(g) * u is recomputed in the down
-    projection's weight-gradient GEMM, never stored."""
+    """Saves x, the weights (cast) and g, u; silu(g) * u is recomputed in backward for the
+    down projection's weight gradient, and lives only until that GEMM is done."""
 
     @staticmethod
     def forward(ctx, x: Tensor, gate_weight: Tensor, up_weight: Tensor, down_weight: Tensor,
@@ -96,9 +82,9 @@ class SwiGLUMLPFunction(torch.autograd.Function):
     def backward(ctx, dy: Tensor):
         x, wg, wu, wd, g, u = ctx.saved_tensors
         g_dtype, u_dtype, d_dtype = ctx.dtypes
-        # dWd first: its split-K partial sums are freed before dg and du are allocated.
-        dwd = _matmul_swiglu_rhs(dy, g, u, d_dtype)  # dy.T @ (silu(g) * u)
-        dg, du = _matmul_dswiglu(dy, wd, g, u)
+        dg, du, h = _swiglu_bwd(dy, wd, g, u)
+        dwd = weight_grad(dy, h, d_dtype)  # dy.T @ (silu(g) * u)
+        del h
         dx = torch.addmm(dg @ wg, du, wu)
         return dx, weight_grad(dg, x, g_dtype), weight_grad(du, x, u_dtype), dwd, None
 
