@@ -41,9 +41,8 @@ def attention_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: T
     in bias_grad_dtype, or an empty tensor without one (see KB.attention_bwd)."""
     if tracing():
         # dq, dk, dv as three buffers, stacked into grad_buffer's layout after (one copy):
-        # functionalization copies each written view of one buffer apart from the storage
-        # offset up, and Inductor (torch 2.11) then read dk's copy past dq's end: an illegal
-        # memory access at gpt2's shape on an H100 (docs/journal.md).
+        # written views of one buffer do not survive functionalization (see
+        # scripts/traced_graphs.py, _aliased_writes, which refuses them).
         parts = tuple(K.output_buffer(q) for _ in range(3))
         db = KB.attention_bwd(do, q, k, v, o, lse, parts, causal, softmax_scale,
                               (window_left, window_right), softcap, bias_grad_dtype)
