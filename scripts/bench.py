@@ -229,21 +229,33 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
-    rows: list[dict] = []
     info = kernels.env()
     info["timing"] = "CUDA-graph replay" if args.graph else "Python launches"
     info["gelu"] = args.approximate
     print(json.dumps(info))
+    rows = _RowsWritten(out / f"{name}.json", info)
     for fam in args.family:
         t0 = time.time()
         kernels.FAMILIES[fam](rows)
         print(f"[{fam}: {time.time() - t0:.0f}s]", file=sys.stderr)
-        (out / f"{name}.json").write_text(json.dumps({"env": info, "rows": rows}, indent=1))
     kernels.print_table(rows)
     kernels.plot_kernels(rows, out / f"{name}.png",
                          f"{info['gpu']}, torch {info['torch']}, triton {info['triton']}, "
                          f"{info['dtype']}, {info['date']}, {info['timing']}")
     return 0
+
+
+class _RowsWritten(list):
+    """The kernels' rows, the JSON rewritten at each one: a run stopped midway keeps every
+    row it measured."""
+
+    def __init__(self, path: Path, info: dict):
+        super().__init__()
+        self.path, self.info = path, info
+
+    def append(self, row: dict) -> None:
+        super().append(row)
+        self.path.write_text(json.dumps({"env": self.info, "rows": list(self)}, indent=1))
 
 
 if __name__ == "__main__":

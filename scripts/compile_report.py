@@ -18,7 +18,7 @@ triton==3.6.0`): the figures guide, the GPU decides.
       [--bias-sums] [--rope]
       [--kernels fwd dkdv dq linear_gelu_fwd dgelu gelu_rhs qkv_fwd qkv_fwd_pointer qkv_dx
                  qkv_dw emb_fwd emb_bwd
-                 swiglu_fwd swiglu_bwd swiglu_fwd_tma rope
+                 swiglu_act swiglu_bwd swiglu_fwd_tma rope
                  linear_gelu_fwd_ws dgelu_ws qkv_fwd_ws ce_smem]
 
 The last four are Gluon kernels (the warp-specialised GEMMs of kernels.gemm_gluon and the
@@ -94,6 +94,9 @@ def _table_config() -> triton.Config:
 # The embedding kernels' one tile, and their pointers: int64 ids, fp32 tables and gradients.
 _EMB_CONFIG = [triton.Config({"BLOCK_T": E._BLOCK_T, "BLOCK_C": E._BLOCK_C},
                              num_warps=E._WARPS)]
+# The SwiGLU elementwise passes' one tile.
+_PASS_CONFIG = [triton.Config({"BLOCK_M": SW._PASS_TILE[0], "BLOCK_N": SW._PASS_TILE[1]},
+                              num_warps=8)]
 _EMB_POINTERS = {"idx_ptr": "*i64", "pid_ptr": "*i64", **dict.fromkeys(
     ["w_ptr", "pos_ptr", "x_ptr", "dy_ptr", "dw_ptr", "dpos_ptr"], "*fp32")}
 
@@ -115,9 +118,8 @@ KERNELS = {"fwd": (A._attn_fwd_kernel, (A.FWD_CONFIGS, A.FWD_HEAD_256), {}),
            "qkv_dw": (Q._qkv_dw_tma_kernel, [_table_config()], {}),
            "emb_fwd": (E._embedding_fwd_kernel, _EMB_CONFIG, _EMB_POINTERS),
            "emb_bwd": (E._embedding_bwd_kernel, _EMB_CONFIG, _EMB_POINTERS),
-           "swiglu_fwd": (SW._swiglu_fwd_kernel, gemm_configs(SW._SHAPES), {}),
-           "swiglu_bwd": (SW._swiglu_bwd_kernel, [triton.Config(
-               {"BLOCK_M": SW._BWD_TILE[0], "BLOCK_N": SW._BWD_TILE[1]}, num_warps=8)], {}),
+           "swiglu_act": (SW._swiglu_act_kernel, _PASS_CONFIG, {}),
+           "swiglu_bwd": (SW._swiglu_bwd_kernel, _PASS_CONFIG, {}),
            "swiglu_fwd_tma": (SW._swiglu_fwd_tma_kernel, [_tma_tiles(SW._TMA_TILES)], {}),
            "rope": (R._rope_kernel, [triton.Config({"BLOCK_T": R._BLOCK_T, "BLOCK_D": 64})],
                     _ROPE_POINTERS)}

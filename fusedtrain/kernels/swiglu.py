@@ -1,20 +1,22 @@
-"""SwiGLU MLP kernels: the gate and up projections in one GEMM, and the backward's one
-pass that recomputes silu(g) * u from the saved pre-activations instead of reading it.
+"""SwiGLU MLP kernels: the gate and up projections with h = silu(g) * u, and the
+backward's one pass that recomputes silu(g) * u from the saved pre-activations instead of
+reading it.
 
-  swiglu_fwd   g = x @ Wg.T, u = x @ Wu.T (one x tile feeds both dots), and
-               h = silu(g) * u from the fp32 accumulators; g and u stored for backward
-               only when asked, h for the down projection.
+  swiglu_fwd   g = x @ Wg.T, u = x @ Wu.T and h = silu(g) * u, on one of two paths chosen
+               once per operand signature (_forward_path):
+               TMA   one persistent TMA GEMM (Hopper, 16-bit TMA-aligned operands, C below
+                     _TMA_MAX_K): each x tile feeds both dots, h comes from the fp32
+                     accumulators, g and u are stored only when asked;
+               mm    two cuBLAS GEMMs, then one pass over g and u writing h (everything
+                     else: wider inputs, other GPUs and dtypes, the CPU interpreter).
   swiglu_bwd   dh = dy @ Wd (cuBLAS), then one pass over dh, g, u: dg = dh * u * silu'(g)
                written over dh, du = dh * silu(g), and h = silu(g) * u for the down
                projection's weight gradient (a cuBLAS GEMM beside the other four).
 
 silu(g) = g * sigmoid(g); silu'(g) = sigmoid(g) * (1 + g * (1 - sigmoid(g))).
-The forward as a persistent TMA GEMM (Hopper, 16-bit TMA-aligned operands;
-kernels/_tma.py), and as a pointer-based GEMM for everything else (any strides, fp32/fp64
-too; block sizes from triton.autotune over _SHAPES keyed on M, N, K). The path is chosen
-once per operand signature (_launch.plan_once). The backward's GEMMs were Triton kernels
-with the SwiGLU steps in their prologue and epilogue until cuBLAS with this one pass
-measured faster (docs/journal.md).
+The backward's GEMMs and the wide forward's were Triton kernels with the SwiGLU steps in
+their prologue and epilogue until cuBLAS with one elementwise pass measured faster
+(docs/journal.md).
 """
 
 from __future__ import annotations
@@ -25,13 +27,7 @@ import triton.language as tl
 
 from fusedtrain.kernels import INTERPRET
 from fusedtrain.kernels._device import acc_dtype, ceil_div
-from fusedtrain.kernels._gemm import (
-    INTERPRET_GEMM,
-    WIDE_GEMM,
-    gemm_configs,
-    gemm_flags,
-    grouped_tile,
-)
+from fusedtrain.kernels._gemm import gemm_flags
 from fusedtrain.kernels._launch import fast_launch, operand_signature, plan_once, stand_in
 from fusedtrain.kernels._primitives import cdiv, device_fn, sigmoid, tile_ptrs
 from fusedtrain.kernels._tma import (
@@ -43,14 +39,6 @@ from fusedtrain.kernels._tma import (
     tma_config,
     tma_ok,
 )
-from fusedtrain.kernels._tuning import autotune
-
-# Two (BLOCK_M, BLOCK_N) fp32 accumulators live at once in the forward: at most 128 x 128
-# over 8 warps. compile_report's sm_90 build (triton 3.9) of GEMM_SHAPES' 256-wide and
-# 4-warp 128 x 128 tiles spilled 2.9-5.6 KB a thread; these spill at most 1.6 KB, the
-# 64 x 64 tiles none.
-_SHAPES = [(128, 128, 64, 3, 8), (128, 128, 32, 4, 8), (128, 64, 64, 4, 4),
-           (64, 128, 64, 4, 4), (64, 64, 64, 4, 4)]
 
 
 @device_fn
@@ -65,41 +53,18 @@ def _dswiglu(dh, g, u):
     return dh * u * s * (1.0 + g * (1.0 - s)), dh * g * s
 
 
-@autotune(gemm_configs(_SHAPES), key=["M", "N", "K"], interpret=INTERPRET_GEMM, wide=WIDE_GEMM)
+@fast_launch
 @triton.jit
-def _swiglu_fwd_kernel(
-    x_ptr, wg_ptr, wu_ptr, g_ptr, u_ptr, h_ptr, M, N, K,
-    s_xm, s_xk, s_gn, s_gk, s_un, s_uk, s_om, s_on,
-    STORE_GU: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-):
-    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    rows, cols_ok = offs_m.to(tl.int64) * s_xm, offs_n < N
-    acc_g = tl.full((BLOCK_M, BLOCK_N), 0.0, ACC)
-    acc_u = tl.full((BLOCK_M, BLOCK_N), 0.0, ACC)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + offs_k
-        x = tl.load(x_ptr + rows[:, None] + k[None, :] * s_xk,
-                    mask=(offs_m < M)[:, None] & (k < K)[None, :], other=0.0)
-        w_ok = (k < K)[:, None] & cols_ok[None, :]
-        # B[k, n] = W[n, k]: the transpose is only a choice of strides.
-        wg = tl.load(wg_ptr + k[:, None] * s_gk + offs_n.to(tl.int64)[None, :] * s_gn,
-                     mask=w_ok, other=0.0)
-        wu = tl.load(wu_ptr + k[:, None] * s_uk + offs_n.to(tl.int64)[None, :] * s_un,
-                     mask=w_ok, other=0.0)
-        acc_g = tl.dot(x, wg, acc_g, input_precision=PRECISION, out_dtype=ACC)
-        acc_u = tl.dot(x, wu, acc_u, input_precision=PRECISION, out_dtype=ACC)
-    mask = (offs_m < M)[:, None] & cols_ok[None, :]
-    if STORE_GU:
-        tl.store(tile_ptrs(g_ptr, offs_m, offs_n, s_om, s_on),
-                 acc_g.to(g_ptr.dtype.element_ty), mask=mask)
-        tl.store(tile_ptrs(u_ptr, offs_m, offs_n, s_om, s_on),
-                 acc_u.to(u_ptr.dtype.element_ty), mask=mask)
-    tl.store(tile_ptrs(h_ptr, offs_m, offs_n, s_om, s_on),
-             _swiglu(acc_g, acc_u).to(h_ptr.dtype.element_ty), mask=mask)
+def _swiglu_act_kernel(g_ptr, u_ptr, h_ptr, M, N, s_gm, s_um, s_hm,
+                       ACC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # One (BLOCK_M, BLOCK_N) tile of h = silu(g) * u (the mm path's forward).
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    g = tl.load(tile_ptrs(g_ptr, offs_m, offs_n, s_gm, 1), mask=mask, other=0.0).to(ACC)
+    u = tl.load(tile_ptrs(u_ptr, offs_m, offs_n, s_um, 1), mask=mask, other=0.0).to(ACC)
+    tl.store(tile_ptrs(h_ptr, offs_m, offs_n, s_hm, 1),
+             _swiglu(g, u).to(h_ptr.dtype.element_ty), mask=mask)
 
 
 @fast_launch
@@ -180,9 +145,27 @@ def _tma_config(config: TmaConfig | None) -> TmaConfig:
     return config or (tma_config(0) if INTERPRET else _TMA_TILES)
 
 
-def _grid(M: int, N: int):
-    """The programs of an (M, N) output: one a tile (GROUP_M order)."""
-    return lambda meta: (ceil_div(M, meta["BLOCK_M"]) * ceil_div(N, meta["BLOCK_N"]),)
+# The widest input the TMA forward takes: from C = _TMA_MAX_K on, cuBLAS's two GEMMs and
+# the pass over g and u run faster than the one GEMM with two accumulators (H100/H200,
+# docs/journal.md).
+_TMA_MAX_K = 1024
+
+
+def _forward_path(x: torch.Tensor, gate_weight: torch.Tensor, up_weight: torch.Tensor,
+                  h: torch.Tensor, tuning: bool) -> str:
+    """"tma" or "mm" (module docstring). A tuning call (a TmaConfig given) is the TMA
+    kernel's."""
+    if tuning:
+        return "tma"
+    return "tma" if x.shape[1] < _TMA_MAX_K and tma_ok(x, gate_weight, up_weight, h) else "mm"
+
+
+# The elementwise passes' tile: 8K elements, 32 per thread at 8 warps (gelu_bwd's).
+_PASS_TILE = (64, 128)
+
+
+def _pass_grid(M: int, N: int) -> tuple[int, int]:
+    return ceil_div(M, _PASS_TILE[0]), ceil_div(N, _PASS_TILE[1])
 
 
 def swiglu_fwd(x: torch.Tensor, gate_weight: torch.Tensor, up_weight: torch.Tensor,
@@ -190,31 +173,29 @@ def swiglu_fwd(x: torch.Tensor, gate_weight: torch.Tensor, up_weight: torch.Tens
                ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
     """x: (M, K), gate_weight, up_weight: (N, K) -> (g, u, h), each (M, N) in x's dtype:
     g = x @ gate_weight.T, u = x @ up_weight.T (None unless store_gu), h = silu(g) * u.
-    Through TMA where tma_ok; `config` overrides its tiles."""
+    `config` (tuning) runs the TMA kernel with its tiles."""
     M, K = x.shape
     N = gate_weight.shape[0]
     h = torch.empty((M, N), device=x.device, dtype=x.dtype)
-    # not written without STORE_GU
-    g, u = (torch.empty_like(h) for _ in range(2)) if store_gu else (stand_in(h), stand_in(h))
     key = None if config else (*operand_signature("swiglu_fwd", x, gate_weight, up_weight),
                                store_gu)
-    use_tma, flags = plan_once(key, lambda: (tma_ok(x, gate_weight, up_weight, h),
-                                             dict(STORE_GU=store_gu, **gemm_flags(x))))
-    if use_tma:
-        cfg = _tma_config(config)
-        launch(_swiglu_fwd_tma_kernel, ceil_div(M, cfg.block_m) * ceil_div(N, cfg.block_n),
-               x.device, x, gate_weight, up_weight, g, u, h, M, N, K, x.stride(0),
-               gate_weight.stride(0), up_weight.stride(0), N, config=cfg, key=key, **flags)
-    else:
-        _swiglu_fwd_kernel.planned(key, (
-            x, gate_weight, up_weight, g, u, h, M, N, K, x.stride(0), x.stride(1),
-            gate_weight.stride(0), gate_weight.stride(1), up_weight.stride(0),
-            up_weight.stride(1), h.stride(0), h.stride(1)), lambda: (_grid(M, N), flags))
+    path, flags = plan_once(key, lambda: (
+        _forward_path(x, gate_weight, up_weight, h, config is not None),
+        dict(STORE_GU=store_gu, **gemm_flags(x))))
+    if path == "mm":
+        g, u = torch.mm(x, gate_weight.t()), torch.mm(x, up_weight.t())
+        _swiglu_act_kernel.planned(
+            (M, N, g.dtype), (g, u, h, M, N, N, N, N),
+            lambda: (_pass_grid(M, N), dict(ACC=acc_dtype(g), BLOCK_M=_PASS_TILE[0],
+                                            BLOCK_N=_PASS_TILE[1], num_warps=8)))
+        return (g, u, h) if store_gu else (None, None, h)
+    # g and u are not written without STORE_GU
+    g, u = (torch.empty_like(h) for _ in range(2)) if store_gu else (stand_in(h), stand_in(h))
+    cfg = _tma_config(config)
+    launch(_swiglu_fwd_tma_kernel, ceil_div(M, cfg.block_m) * ceil_div(N, cfg.block_n),
+           x.device, x, gate_weight, up_weight, g, u, h, M, N, K, x.stride(0),
+           gate_weight.stride(0), up_weight.stride(0), N, config=cfg, key=key, **flags)
     return (g, u, h) if store_gu else (None, None, h)
-
-
-# swiglu_bwd's tile: 8K elements, 32 per thread at 8 warps (gelu_bwd's).
-_BWD_TILE = (64, 128)
 
 
 def swiglu_bwd(dy: torch.Tensor, down_weight: torch.Tensor, g: torch.Tensor,
@@ -230,10 +211,9 @@ def swiglu_bwd(dy: torch.Tensor, down_weight: torch.Tensor, g: torch.Tensor,
         u = u.contiguous()
     M, N = dh.shape
     du, h = torch.empty_like(dh), torch.empty_like(dh)
-    block_m, block_n = _BWD_TILE
     s_g, s_u = g.stride(0), u.stride(0)
     _swiglu_bwd_kernel.planned(
         (M, N, s_g, s_u, g.dtype), (dh, g, u, du, h, M, N, N, s_g, s_u, N),
-        lambda: ((ceil_div(M, block_m), ceil_div(N, block_n)), dict(
-            ACC=acc_dtype(g), BLOCK_M=block_m, BLOCK_N=block_n, num_warps=8)))
+        lambda: (_pass_grid(M, N), dict(ACC=acc_dtype(g), BLOCK_M=_PASS_TILE[0],
+                                        BLOCK_N=_PASS_TILE[1], num_warps=8)))
     return dh, du, h
