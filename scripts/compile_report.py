@@ -18,7 +18,7 @@ triton==3.6.0`): the figures guide, the GPU decides.
       [--bias-sums] [--rope]
       [--kernels fwd dkdv dq linear_gelu_fwd dgelu gelu_rhs qkv_fwd qkv_fwd_pointer qkv_dx
                  qkv_dw emb_fwd emb_bwd
-                 swiglu_act swiglu_bwd swiglu_fwd_tma rope
+                 swiglu_act swiglu_bwd rope
                  linear_gelu_fwd_ws dgelu_ws qkv_fwd_ws ce_smem]
 
 The last four are Gluon kernels (the warp-specialised GEMMs of kernels.gemm_gluon and the
@@ -120,7 +120,6 @@ KERNELS = {"fwd": (A._attn_fwd_kernel, (A.FWD_CONFIGS, A.FWD_HEAD_256), {}),
            "emb_bwd": (E._embedding_bwd_kernel, _EMB_CONFIG, _EMB_POINTERS),
            "swiglu_act": (SW._swiglu_act_kernel, _PASS_CONFIG, {}),
            "swiglu_bwd": (SW._swiglu_bwd_kernel, _PASS_CONFIG, {}),
-           "swiglu_fwd_tma": (SW._swiglu_fwd_tma_kernel, [_tma_tiles(SW._TMA_TILES)], {}),
            "rope": (R._rope_kernel, [triton.Config({"BLOCK_T": R._BLOCK_T, "BLOCK_D": 64})],
                     _ROPE_POINTERS)}
 

@@ -136,8 +136,6 @@ CASES = {
     "gelu_bwd": (LG._gelu_bwd, lambda: (_t(256, 3072), _t(256, 3072), "tanh", F32), _NONE),
     "swiglu_fwd": (SW._swiglu_fwd, lambda: (_t(256, 768), _t(2048, 768), _t(2048, 768)),
                    _NONE),
-    "swiglu_infer": (SW._swiglu_infer, lambda: (_t(256, 768), _t(2048, 768), _t(2048, 768)),
-                     _NONE),
     "swiglu_bwd": (SW._swiglu_bwd, lambda: (
         _t(256, 768), _t(768, 2048), _t(256, 2048), _t(256, 2048)), _NONE),
     "qkv_fwd": (QKV.qkv_fwd, lambda: (

@@ -3,8 +3,7 @@
     python scripts/tune_tma.py [--out DIR]
 
 For each MLP GEMM (Linear+GELU forward, the dGELU backward GEMM, the gelu(h) weight
-gradient) at the benchmark shapes, the QKV projection's forward at its own, and the
-SwiGLU GEMMs (gate and up, the dh GEMM, the recomputed-h weight gradient) at #52's, times
+gradient) at the benchmark shapes and the QKV projection's forward at its own, times
 every candidate TmaConfig with do_bench (bf16, fresh random data, L2 flushed between
 runs), checks its output against torch, and prints milliseconds next to the bare cuBLAS
 GEMM of the same size. The winners are what `tma_config` encodes, once the kernel
@@ -23,12 +22,10 @@ import triton.testing
 
 from fusedtrain.kernels import linear_gelu as K
 from fusedtrain.kernels import qkv as Q
-from fusedtrain.kernels import swiglu as SW
 from fusedtrain.kernels._tma import TmaConfig
 
 SHAPES = [(16384, 768, 3072), (16384, 1024, 4096), (16384, 2048, 8192), (16384, 3072, 768)]
 QKV_SHAPES = [(16, 1024, 768, 12), (8, 2048, 2048, 16), (4, 4096, 4096, 32)]
-SWIGLU_SHAPES = [(16384, 768, 2048), (16384, 4096, 11008)]  # (M, C, H)
 # (block_m, block_n, block_k, warps, stages[, programs per SM, register cap]). The
 # two-per-SM tilings fit two programs' registers and shared memory on an sm_90 SM
 # (compiled with triton 3.6: <= 256 registers x 4 warps or 128 x 8, <= 113 KiB shared).
@@ -87,18 +84,6 @@ def qkv_cases(B: int, T: int, C: int, H: int) -> dict:
                         lambda: x @ w.t())}
 
 
-def swiglu_cases(M: int, C: int, H: int) -> dict:
-    """name -> (run(config), reference, cuBLAS GEMM of the same size) for the SwiGLU forward
-    GEMM (its backward's GEMMs are cuBLAS's)."""
-    bf = dict(device="cuda", dtype=torch.bfloat16)
-    x, wg, wu = torch.randn(M, C, **bf), *(torch.randn(H, C, **bf) / C ** 0.5 for _ in range(2))
-    F = torch.nn.functional
-    return {
-        "swiglu_fwd": (lambda c: SW.swiglu_fwd(x, wg, wu, True, config=c)[2],
-                       lambda: F.silu(x @ wg.t()) * (x @ wu.t()), lambda: x @ wg.t()),
-    }
-
-
 def all_cases():
     """(shape, kernel name, (run, reference, cuBLAS)) for every case, one shape's tensors
     at a time."""
@@ -107,9 +92,6 @@ def all_cases():
             yield shape, name, case
     for shape in QKV_SHAPES:
         for name, case in qkv_cases(*shape).items():
-            yield shape, name, case
-    for shape in SWIGLU_SHAPES:
-        for name, case in swiglu_cases(*shape).items():
             yield shape, name, case
 
 

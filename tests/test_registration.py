@@ -180,7 +180,7 @@ def test_traceable_launchers_trace_into_their_kernels(tmp_path):
                        env={**os.environ, "TRITON_CACHE_DIR": str(tmp_path)})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     n = len(_registry.TRACEABLE)
-    assert n >= 29 and f"{n} of {n} traceable launchers covered" in r.stdout
+    assert n >= 28 and f"{n} of {n} traceable launchers covered" in r.stdout
 
 
 def test_traced_graphs_compute_what_their_launchers_compute(tmp_path):

@@ -297,9 +297,6 @@ PATHS = {
                    "Hopper (kernels/_tma.tma_ok)",
     "_smem_kernel": "rows held in shared memory (Gluon): an sm_90 GPU, triton 3.6, "
                     "contiguous logits",
-    "_swiglu_act_kernel": "SwiGLU forward as cuBLAS's two GEMMs and this pass: inputs "
-                          "of C >= 1024 or operands TMA cannot read (kernels/swiglu."
-                          "_forward_path)",
 }
 
 

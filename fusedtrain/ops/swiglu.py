@@ -21,25 +21,13 @@ Tensor = torch.Tensor
 def _swiglu_fwd(x: Tensor, gate_weight: Tensor, up_weight: Tensor
                 ) -> tuple[Tensor, Tensor, Tensor]:
     """(g, u, h): the pre-activations, for backward, and h = silu(g) * u."""
-    g, u, h = K.swiglu_fwd(x, gate_weight, up_weight, store_gu=True)
-    return g, u, h
+    return K.swiglu_fwd(x, gate_weight, up_weight)
 
 
 @_swiglu_fwd.register_fake
 def _(x, gate_weight, up_weight):
     h = x.new_empty((x.shape[0], gate_weight.shape[0]))
     return torch.empty_like(h), torch.empty_like(h), h
-
-
-@launcher("swiglu_infer", traceable=True)
-def _swiglu_infer(x: Tensor, gate_weight: Tensor, up_weight: Tensor) -> Tensor:
-    """The forward when no gradient is wanted: h only, g and u not written."""
-    return K.swiglu_fwd(x, gate_weight, up_weight, store_gu=False)[2]
-
-
-@_swiglu_infer.register_fake
-def _(x, gate_weight, up_weight):
-    return x.new_empty((x.shape[0], gate_weight.shape[0]))
 
 
 @launcher("swiglu_bwd", traceable=True)
@@ -54,7 +42,7 @@ def _(dy, down_weight, g, u):
     return torch.empty_like(g), torch.empty_like(g), torch.empty_like(g)
 
 
-@register_flop_formula([torch.ops.fusedtrain.swiglu_fwd, torch.ops.fusedtrain.swiglu_infer])
+@register_flop_formula(torch.ops.fusedtrain.swiglu_fwd)
 def _(x_shape, gate_shape, *args, **kwargs) -> int:
     return 2 * 2 * x_shape[0] * x_shape[1] * gate_shape[0]
 
@@ -117,5 +105,5 @@ def swiglu_mlp(x: Tensor, gate_weight: Tensor, up_weight: Tensor, down_weight: T
         y = _apply_swiglu_mlp(x2, *weights, compute_dtype)
     else:
         wg, wu, wd = cast_params(compute_dtype, *weights)
-        y = F.linear(_swiglu_infer(x2, wg, wu), wd)
+        y = F.linear(_swiglu_fwd(x2, wg, wu)[2], wd)
     return y.view(*x.shape[:-1], down_weight.shape[0])
