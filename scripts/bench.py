@@ -189,8 +189,8 @@ def main(argv=None) -> int:
         info = run_info(args, "shapes", "calls")
         info["autograd_threads"] = torch.autograd.is_multithreading_enabled()
         print(json.dumps(info), flush=True)
-        rows = host.run_host(args.shapes, args.ops, args.calls)
-        (out / "host.json").write_text(json.dumps({"env": info, "rows": rows}, indent=1))
+        rows = host.run_host(args.shapes, args.ops, args.calls, save=lambda rows: (
+            out / "host.json").write_text(json.dumps({"env": info, "rows": rows}, indent=1)))
         print(host.host_table(rows))
         host.plot_host(rows, out / "host.png",
                        f"host cost per forward+backward, {info['gpu']}, torch {info['torch']}, "

@@ -188,7 +188,8 @@ def test_bench_host_without_a_gpu_says_so():
 
 
 def test_bench_host_names_only_the_unknown_ops(monkeypatch, tmp_path, capsys):
-    """`--ops` with known names runs them; an unknown name is refused, and named alone."""
+    """`--ops` with known names runs them; an unknown name is refused, and named alone. A
+    run stopped midway has written the rows it measured."""
     import importlib.util
 
     from fusedtrain.bench import host
@@ -200,8 +201,9 @@ def test_bench_host_names_only_the_unknown_ops(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(host, "op_cases", lambda B, T: dict.fromkeys(["layer_norm", "linear"]))
     ran = []
 
-    def run_host(shapes, op_names, calls):
+    def run_host(shapes, op_names, calls, save):
         ran.append(op_names)
+        save([{"op": "layer_norm", "plain_us": 1.0}])
         raise KeyboardInterrupt  # stop before anything needs a GPU
 
     monkeypatch.setattr(host, "run_host", run_host)
@@ -209,6 +211,8 @@ def test_bench_host_names_only_the_unknown_ops(monkeypatch, tmp_path, capsys):
     with pytest.raises(KeyboardInterrupt):
         bench.main(["host", "--ops", "layer_norm", "linear", "--out", str(tmp_path)])
     assert ran == [["layer_norm", "linear"]]
+    assert json.loads((tmp_path / "host.json").read_text())["rows"] == [
+        {"op": "layer_norm", "plain_us": 1.0}]
     assert bench.main(["host", "--ops", "layer_norm", "bogus"]) == 2
     assert "unknown ops ['bogus']" in capsys.readouterr().err
 
@@ -336,6 +340,29 @@ def test_kernel_report_renders_the_rows_a_gpu_run_wrote(tmp_path, capsys):
     assert set(kernels.FAMILIES) == {"linear_gelu", "qkv", "attention", "attention_features",
                                      "attention_varlen", "layernorm", "cross_entropy",
                                      "swiglu", "rope"}
+
+
+def test_bench_kernels_writes_each_row_as_measured(monkeypatch, tmp_path):
+    """A kernels run stopped inside a family has written the rows measured before."""
+    import importlib.util
+
+    from fusedtrain.bench import kernels
+
+    spec = importlib.util.spec_from_file_location("bench_script", ROOT / "scripts" / "bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(kernels, "env", lambda: {"gpu": "none"})
+
+    def family(rows):
+        rows.append({"family": "stub", "shape": "first"})
+        raise KeyboardInterrupt  # the second row is never measured
+
+    monkeypatch.setattr(kernels, "FAMILIES", {"stub": family})
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(["kernels", "--family", "stub", "--graph", "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "kernels-graph.json").read_text())
+    assert saved["rows"] == [{"family": "stub", "shape": "first"}]
 
 
 def test_document_lengths_span_the_range_and_fill_the_total():

@@ -158,10 +158,12 @@ def _single_threaded(run: Callable[[], None]) -> Callable[[], None]:
     return st
 
 
-def run_host(shapes: list[str], op_names: list[str] | None, calls: int) -> list[dict]:
-    """One row per (op, shape, variant): plain_us, plain_st_us, gpu_us, kernels. Every
-    plain loop runs before any graph is captured: plain loops timed after captures in the
-    same process ran up to 2.4x slower on an H200 (docs/journal.md)."""
+def run_host(shapes: list[str], op_names: list[str] | None, calls: int,
+             save: Callable[[list[dict]], None] = lambda rows: None) -> list[dict]:
+    """One row per (op, shape, variant): plain_us, plain_st_us, gpu_us, kernels; `save(rows)`
+    after each figure, so an interrupted run keeps what it measured. Every plain loop runs
+    before any graph is captured: plain loops timed after captures in the same process ran
+    up to 2.4x slower on an H200 (docs/journal.md)."""
     rows, runs = [], []
     for shape in shapes:
         B, T = SHAPES[shape]
@@ -185,12 +187,14 @@ def run_host(shapes: list[str], op_names: list[str] | None, calls: int) -> list[
                        "kernel_names": kernels_of_a_call(fwd_bwd(fn, _fresh(inputs), grads))}
                 row["kernels"] = len(row["kernel_names"])
                 rows.append(row)
+                save(rows)
                 runs.append(fwd_bwd(fn, _fresh(inputs), grads))
                 print(f"{name:22s} {shape:5s} {variant:6s} plain {row['plain_us']:8.1f} us  "
                       f"one thread {row['plain_st_us']:8.1f} us  kernels {row['kernels']}",
                       flush=True)
     for row, run in zip(rows, runs):
         row["gpu_us"] = graph_us(run)
+        save(rows)
         print(f"{row['op']:22s} {row['shape']:5s} {row['variant']:6s} GPU "
               f"{row['gpu_us']:8.1f} us", flush=True)
     return rows
