@@ -94,11 +94,12 @@ def _table_config() -> triton.Config:
 # The embedding kernels' one tile, and their pointers: int64 ids, fp32 tables and gradients.
 _EMB_CONFIG = [triton.Config({"BLOCK_T": E._BLOCK_T, "BLOCK_C": E._BLOCK_C},
                              num_warps=E._WARPS)]
+_EMB_POINTERS = {"idx_ptr": "*i64", "pid_ptr": "*i64", **dict.fromkeys(
+    ["w_ptr", "pos_ptr", "x_ptr", "dy_ptr", "dw_ptr", "dpos_ptr"], "*fp32")}
+
 # The SwiGLU elementwise passes' one tile.
 _PASS_CONFIG = [triton.Config({"BLOCK_M": SW._PASS_TILE[0], "BLOCK_N": SW._PASS_TILE[1]},
                               num_warps=8)]
-_EMB_POINTERS = {"idx_ptr": "*i64", "pid_ptr": "*i64", **dict.fromkeys(
-    ["w_ptr", "pos_ptr", "x_ptr", "dy_ptr", "dw_ptr", "dpos_ptr"], "*fp32")}
 
 # Rotary embeddings' pointers: int64 positions, fp32 frequencies.
 _ROPE_POINTERS = {"pos_ptr": "*i64", "freq_ptr": "*fp32"}
