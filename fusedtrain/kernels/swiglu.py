@@ -75,8 +75,11 @@ def _swiglu_bwd_kernel(dhg_ptr, g_ptr, u_ptr, du_ptr, h_ptr, M, N, s_dhm, s_gm, 
 _PASS_TILE = (64, 128)
 
 
-def _pass_grid(M: int, N: int) -> tuple[int, int]:
-    return ceil_div(M, _PASS_TILE[0]), ceil_div(N, _PASS_TILE[1])
+def _pass_plan(M: int, N: int, g: torch.Tensor) -> tuple[tuple[int, int], dict]:
+    """Grid and constexprs of either pass over (M, N) elements like g."""
+    return ((ceil_div(M, _PASS_TILE[0]), ceil_div(N, _PASS_TILE[1])),
+            dict(ACC=acc_dtype(g), BLOCK_M=_PASS_TILE[0], BLOCK_N=_PASS_TILE[1],
+                 num_warps=8))
 
 
 def swiglu_fwd(x: torch.Tensor, gate_weight: torch.Tensor, up_weight: torch.Tensor
@@ -86,10 +89,8 @@ def swiglu_fwd(x: torch.Tensor, gate_weight: torch.Tensor, up_weight: torch.Tens
     g, u = torch.mm(x, gate_weight.t()), torch.mm(x, up_weight.t())
     M, N = g.shape
     h = torch.empty_like(g)
-    _swiglu_act_kernel.planned(
-        (M, N, g.dtype), (g, u, h, M, N, N, N, N),
-        lambda: (_pass_grid(M, N), dict(ACC=acc_dtype(g), BLOCK_M=_PASS_TILE[0],
-                                        BLOCK_N=_PASS_TILE[1], num_warps=8)))
+    _swiglu_act_kernel.planned((M, N, g.dtype), (g, u, h, M, N, N, N, N),
+                               lambda: _pass_plan(M, N, g))
     return g, u, h
 
 
@@ -109,6 +110,5 @@ def swiglu_bwd(dy: torch.Tensor, down_weight: torch.Tensor, g: torch.Tensor,
     s_g, s_u = g.stride(0), u.stride(0)
     _swiglu_bwd_kernel.planned(
         (M, N, s_g, s_u, g.dtype), (dh, g, u, du, h, M, N, N, s_g, s_u, N),
-        lambda: (_pass_grid(M, N), dict(ACC=acc_dtype(g), BLOCK_M=_PASS_TILE[0],
-                                        BLOCK_N=_PASS_TILE[1], num_warps=8)))
+        lambda: _pass_plan(M, N, g))
     return dh, du, h
