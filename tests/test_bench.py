@@ -219,19 +219,22 @@ def test_bench_host_names_only_the_unknown_ops(monkeypatch, tmp_path, capsys):
 
 def test_host_table_and_chart_pair_each_op_with_its_twin(tmp_path):
     """bench.py host's summary: per op and shape the fused and eager plain-loop times,
-    their ratio (and the ratio with the backward on one thread), the kernels per call;
-    the chart is written."""
+    their ratio, the Python Function's ratio (replay off), the ratio with the backward on
+    one thread, the kernels per call; the chart is written."""
     from fusedtrain.bench import host
 
     rows = [{"op": "layer_norm", "shape": s, "variant": v, "plain_us": us, "plain_st_us": st,
              "gpu_us": g, "kernels": k}
             for s, v, us, st, g, k in (("tiny", "fused", 90.0, 60.0, 11.0, 3),
+                                       ("tiny", "python", 240.0, 80.0, 11.0, 3),
                                        ("tiny", "eager", 120.0, 50.0, 9.0, 3),
                                        ("gpt2", "fused", 130.0, 100.0, 48.0, 3),
                                        ("gpt2", "eager", 170.0, 150.0, 90.0, 3))]
     table = host.host_table(rows).splitlines()
     assert len(table) == 3
-    assert table[1].split()[:6] == ["layer_norm", "tiny", "90.0", "120.0", "0.75", "1.20"]
+    assert table[1].split()[:7] == ["layer_norm", "tiny", "90.0", "120.0", "0.75", "2.00",
+                                    "1.20"]
+    assert table[2].split()[5] == "nan"  # no python row at that shape
     host.plot_host(rows, tmp_path / "host.png", "title")
     assert (tmp_path / "host.png").stat().st_size > 0
 

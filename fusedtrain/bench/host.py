@@ -6,11 +6,14 @@ autograd's default threads), which at the tiny shape, where the GPU idles, is th
 cost; the same with the backward on the calling thread (what autograd's hand-over to its
 device thread adds is the difference); the GPU time of the same call replayed as a CUDA
 graph; and which kernels one call launches (torch.profiler's CUDA kernel events, by name).
-The fused and eager loops of an op run in alternating blocks, so that a change in the
-host's speed (the lent hosts' Python speed moves by up to 2x between phases) falls on
-both. The row `function_floor` is an autograd.Function that launches nothing, beside
-F.layer_norm: the host cost under which no fused op written as one can go. Rows go to
-JSON, and a chart shows the host-bound times fused beside eager.
+Three variants: "fused" (the op as a user calls it: replayed from a C++ node once its
+call signature is recorded, ops/_replay.py), "python" (the same op on its Python
+autograd.Function, replay off) and "eager". The loops of an op run in alternating
+blocks, so that a change in the host's speed (the lent hosts' Python speed moves by up
+to 2x between phases) falls on all. The row `function_floor` is an autograd.Function
+that launches nothing, beside F.layer_norm: the host cost under which no op written as a
+Python Function can go. Rows go to JSON, and a chart shows the host-bound times of the
+three variants.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch
 
 from fusedtrain import eager, ops
 from fusedtrain.bench.kernels import fwd_bwd, randn
+from fusedtrain.ops import _replay
 
 SHAPES = {"tiny": (1, 64), "gpt2": (16, 1024)}  # (B, T); C = 768, 12 heads, vocab 50304
 WIDTH, HEADS, VOCAB = 768, 12, 50304
@@ -148,6 +152,16 @@ def _interleaved_us(runs: dict[str, Callable[[], None]], calls: int,
     return {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
 
 
+def _python_function(fn: Callable) -> Callable:
+    """fn with every op on its Python autograd.Function (no C++ replay)."""
+
+    def call(*args):
+        with _replay.disabled():
+            return fn(*args)
+
+    return call
+
+
 def _single_threaded(run: Callable[[], None]) -> Callable[[], None]:
     """run with autograd's backward on the calling thread."""
 
@@ -174,12 +188,13 @@ def run_host(shapes: list[str], op_names: list[str] | None, calls: int,
             # Leaves of its own for each measurement: autograd keeps a leaf's gradient
             # node, with the stream it was made on, which a graph capture cannot use.
             loops = {}
-            for variant, fn in (("fused", fused), ("eager", twin)):
+            variants = (("fused", fused), ("python", _python_function(fused)), ("eager", twin))
+            for variant, fn in variants:
                 run = fwd_bwd(fn, _fresh(inputs), _output_grads(fn, inputs))
                 loops[variant] = run
                 loops[variant + "/st"] = _single_threaded(run)
             timed = _interleaved_us(loops, 2 * n)
-            for variant, fn in (("fused", fused), ("eager", twin)):
+            for variant, fn in variants:
                 grads = _output_grads(fn, inputs)
                 row = {"op": name, "shape": shape, "B": B, "T": T, "C": WIDTH,
                        "variant": variant, "plain_us": timed[variant],
@@ -205,11 +220,14 @@ def host_table(rows: list[dict]) -> str:
     with the backward on the calling thread: `1-thread`)."""
     by = {(r["op"], r["shape"], r["variant"]): r for r in rows}
     lines = [f"{'op':22s} {'shape':5s} {'fused us':>9s} {'eager us':>9s} {'ratio':>6s} "
-             f"{'1-thread':>9s} {'fused GPU':>9s} {'eager GPU':>9s} {'kernels f/e':>11s}"]
+             f"{'python':>7s} {'1-thread':>9s} {'fused GPU':>9s} {'eager GPU':>9s} "
+             f"{'kernels f/e':>11s}"]
     for op, shape in dict.fromkeys((r["op"], r["shape"]) for r in rows):
         f, e = by[(op, shape, "fused")], by[(op, shape, "eager")]
+        p = by.get((op, shape, "python"))
         lines.append(f"{op:22s} {shape:5s} {f['plain_us']:9.1f} {e['plain_us']:9.1f} "
                      f"{f['plain_us'] / e['plain_us']:6.2f} "
+                     f"{p['plain_us'] / e['plain_us'] if p else float('nan'):7.2f} "
                      f"{f['plain_st_us'] / e['plain_st_us']:9.2f} {f['gpu_us']:9.1f} "
                      f"{e['gpu_us']:9.1f} {f['kernels']:>5d}/{e['kernels']:<5d}")
     return "\n".join(lines)
@@ -229,11 +247,14 @@ def plot_host(rows: list[dict], path: Path, title: str) -> None:
     fig, axes = plt.subplots(1, len(shapes), figsize=(6 * len(shapes), 0.45 * len(ops_) + 1.5),
                              squeeze=False)
     for ax, shape in zip(axes[0], shapes):
-        for j, (variant, color) in enumerate((("fused", "tab:orange"), ("eager", "tab:blue"))):
-            ys = [i + 0.2 - 0.4 * j for i in range(len(ops_))]
+        for j, (variant, color, label) in enumerate((
+                ("fused", "tab:orange", "fused (C++ replay)"),
+                ("python", "tab:gray", "fused (Python Function)"),
+                ("eager", "tab:blue", "eager"))):
+            ys = [i + 0.27 - 0.27 * j for i in range(len(ops_))]
             got = [by.get((op, shape, variant)) for op in ops_]
-            ax.barh(ys, [g["plain_us"] if g else 0 for g in got], height=0.38, color=color,
-                    label=f"{variant}, plain loop")
+            ax.barh(ys, [g["plain_us"] if g else 0 for g in got], height=0.26, color=color,
+                    label=f"{label}, plain loop")
             ax.scatter([g["gpu_us"] if g else 0 for g in got], ys, marker="|", s=120,
                        color="black", label="GPU time (graph)" if j == 0 else None)
         ax.set_yticks(range(len(ops_)), ops_)

@@ -82,6 +82,18 @@ def tracing() -> bool:
     return _TRACING
 
 
+# While set, every launch is reported to it (fusedtrain/ops/_replay.py records an op's
+# first call per signature so that later calls replay it from C++).
+_RECORDER = None
+
+
+def recorder(rec):
+    """Set the launch recorder (None: none); returns the one set before."""
+    global _RECORDER
+    before, _RECORDER = _RECORDER, rec
+    return before
+
+
 def address(t: torch.Tensor) -> int:
     """t's address, for an alignment check; while traced (no address yet) its byte offset
     into its storage: Inductor's buffers, like the caching allocator's, start 16-byte
@@ -148,6 +160,14 @@ class FastLaunch:
     def __getitem__(self, grid):
         return lambda *args, **kwargs: self.run(grid, args, kwargs)
 
+    def _general(self, grid, args: tuple, kwargs: dict):
+        """kernel[grid](*args, **kwargs) through triton's own path."""
+        if _RECORDER is None:
+            return self.fn[grid](*args, **kwargs)
+        _RECORDER.python_launch(self.fn, grid, args, kwargs)
+        with _RECORDER.paused():  # the interpreter's copies, the autotuner's runs
+            return self.fn[grid](*args, **kwargs)
+
     def planned(self, key, args: tuple, launch: Callable[[], tuple]):
         """kernel[grid](*args, **kwargs) with (grid, kwargs) = launch(), planned once per
         (device, key): later calls with the key skip launch(), the binding and the grid.
@@ -176,7 +196,7 @@ class FastLaunch:
         if _TRACING:
             return _traced(self.fn, grid, args, kwargs)
         if not ENABLED:
-            return self.fn[grid](*args, **kwargs)
+            return self._general(grid, args, kwargs)
         if plan_key is None:
             plan_key = (tuple([a.dtype if isinstance(a, torch.Tensor)
                                else float if type(a) is float else a for a in args]),
@@ -184,12 +204,12 @@ class FastLaunch:
             if self._launch_planned(plan_key, grid, args):
                 return
         if self._jit.pre_run_hooks or _launch_hooks():
-            return self.fn[grid](*args, **kwargs)
+            return self._general(grid, args, kwargs)
         params = kwargs
         if self._tuner is not None:
             choice = self._tuned(args, kwargs)
             if choice is None:
-                return self.fn[grid](*args, **kwargs)
+                return self._general(grid, args, kwargs)
             self._tuner.best_config, config_kwargs = choice
             params = {**kwargs, **config_kwargs}
         device = torch.cuda.current_device()
@@ -197,12 +217,15 @@ class FastLaunch:
         key = (device, tuple(specialisation), tuple(options.items()))
         kernel = self._compiled.get(key)
         if kernel is None:  # triton compiles (and tunes) it
-            self._compiled[key] = self.fn[grid](*args, **kwargs)
+            self._compiled[key] = self._general(grid, args, kwargs)
             return
         grid = _grid3(grid(bound) if callable(grid) else grid)
         values = tuple(bound.values())
         kernel.run(grid[0], grid[1], grid[2], _current_stream(device), kernel.function,
                    kernel.packed_metadata, None, None, None, *values)
+        if _RECORDER is not None:
+            _RECORDER.cuda_launch(kernel, grid, args, values[len(args):],
+                                  _direct_launch(kernel))
         tensors = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
         self._plans[(device, plan_key)] = (
             kernel, grid, tensors, [i for i in tensors if args[i].data_ptr() & 15],
@@ -236,11 +259,13 @@ class FastLaunch:
             launch, cooperative, pdl = direct
             launch(g[0], g[1], g[2], _current_stream(device), kernel.function, cooperative,
                    pdl, None, None, kernel.packed_metadata, None, None, None, *values, *tail)
-            return True
-        if scratch:
-            enable_device_descriptors()
-        kernel.run(g[0], g[1], g[2], _current_stream(device), kernel.function,
-                   kernel.packed_metadata, None, None, None, *args, *tail)
+        else:
+            if scratch:
+                enable_device_descriptors()
+            kernel.run(g[0], g[1], g[2], _current_stream(device), kernel.function,
+                       kernel.packed_metadata, None, None, None, *args, *tail)
+        if _RECORDER is not None:
+            _RECORDER.cuda_launch(kernel, g, args, tail, direct)
         return True
 
     def _check_plan(self, plan, grid, kwargs: dict, args: tuple) -> None:

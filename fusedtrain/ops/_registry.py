@@ -11,14 +11,18 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from fusedtrain.kernels import INTERPRET
 from fusedtrain.kernels._launch import traced_launches
+from fusedtrain.ops._replay import Replayed
 
 log = logging.getLogger("fusedtrain")
 
 
 def dispatcher_needed() -> bool:
     """torch.compile is tracing, or a dispatch mode (FlopCounterMode, FakeTensorMode, ...)
-    must see the op."""
-    return torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None
+    must see the op (the replay recorder, which records the launchers' own work, need not)."""
+    if torch.compiler.is_compiling():
+        return True
+    mode = _get_current_dispatch_mode()
+    return mode is not None and not getattr(mode, "transparent", False)
 
 
 def runs_directly(t: torch.Tensor) -> bool:
@@ -39,18 +43,23 @@ _C_APPLY = torch._C._FunctionBase.__dict__["apply"]
 
 
 def function_apply(fn: type[torch.autograd.Function]) -> Callable:
-    """fn.apply without autograd.Function.apply's Python layer where nothing needs it: 5
-    us of host time a call on the lent H200 host, 13.4 against 18.3 (binding defaults for
-    setup_context, which these Functions do not define, and unwrapping tensors that
-    escaped a functorch transform after it ended; such a tensor then fails the kernels'
-    data_ptr read with torch's own error). Under torch.compile and inside functorch
-    transforms, fn.apply."""
+    """fn.apply, in plain eager execution replayed from one C++ autograd node per call
+    signature recorded (ops/_replay.py), else without autograd.Function.apply's Python
+    layer: 5 us of host time a call on the lent H200 host, 13.4 against 18.3 (binding
+    defaults for setup_context, which these Functions do not define, and unwrapping
+    tensors that escaped a functorch transform after it ended; such a tensor then fails
+    the kernels' data_ptr read with torch's own error). Under torch.compile and inside
+    functorch transforms, fn.apply; under a dispatch mode or while another op is being
+    recorded, the Python Function."""
     direct = _C_APPLY.__get__(None, fn)
+    replayed = Replayed(fn, direct)
 
     def apply(*args):
         if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
             return fn.apply(*args)
-        return direct(*args)
+        if _get_current_dispatch_mode() is not None:
+            return direct(*args)
+        return replayed(args)
 
     return apply
 
