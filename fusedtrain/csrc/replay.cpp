@@ -19,7 +19,9 @@
 #include <ATen/autocast_mode.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/Context.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty_strided.h>
+#include <ATen/ops/scalar_tensor.h>
 #include <c10/core/GradMode.h>
 #include <c10/util/hash.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
@@ -109,7 +111,16 @@ struct Arg {
   double real;     // floats
 };
 
-enum StepKind : int { ALLOC = 0, VIEW = 1, CUDA = 2, PYTHON = 3 };
+enum StepKind : int { ALLOC = 0, VIEW = 1, CUDA = 2, PYTHON = 3, ATEN = 4 };
+
+// An ATen op's argument, as a boxed call takes it: a tensor (slot), a list of them (slots;
+// optional entries -1), or a constant IValue made once.
+struct AtenArg {
+  enum Kind : int { TENSOR = 0, TENSORS = 1, OPTIONAL_TENSORS = 2, CONSTANT = 3 } kind;
+  int slot = -1;
+  std::vector<int> slots;
+  c10::IValue constant;
+};
 
 struct Step {
   int kind;
@@ -127,6 +138,11 @@ struct Step {
   // PYTHON: callable(list of the slots' tensors)
   PyObject* callable = nullptr;
   std::vector<int> slots;
+  // ATEN: the op, its arguments in schema order, and per returned tensor whether it is a
+  // new slot (else it is an argument returned again: an in-place or out= op)
+  std::optional<c10::OperatorHandle> op;
+  std::vector<AtenArg> aten_args;
+  std::vector<bool> new_outputs;
 };
 
 struct Program {
@@ -151,15 +167,122 @@ std::vector<int64_t> int_list(PyObject* seq) {
   return out;
 }
 
+std::vector<int> slot_list(PyObject* seq) {
+  std::vector<int> out;
+  for (int64_t v : int_list(seq)) out.push_back(static_cast<int>(v));
+  return out;
+}
+
 PyObject* item(PyObject* seq, Py_ssize_t i) {  // borrowed, from a tuple
   TORCH_CHECK(PyTuple_Check(seq) && i < PyTuple_GET_SIZE(seq), "fusedtrain replay: bad record");
   return PyTuple_GET_ITEM(seq, i);
 }
 
+// An ATen argument as _replay.py encodes it: ("t", slot) | ("tl", slots) | ("otl", slots)
+// | ("n",) | ("b", v) | ("i", v) | ("f", v) | ("wn", number: a wrapped-number tensor)
+// | ("s", v) | ("il", ints) | ("fl", floats)
+// | ("bl", bools) | ("dtype", code) | ("device", type, index) | ("layout", code)
+// | ("mf", code).
+AtenArg parse_aten_arg(PyObject* a) {
+  std::string kind = PyUnicode_AsUTF8(item(a, 0));
+  AtenArg out;
+  out.kind = AtenArg::CONSTANT;
+  if (kind == "t") {
+    out.kind = AtenArg::TENSOR;
+    out.slot = static_cast<int>(as_int(item(a, 1)));
+  } else if (kind == "tl" || kind == "otl") {
+    out.kind = kind == "tl" ? AtenArg::TENSORS : AtenArg::OPTIONAL_TENSORS;
+    out.slots = slot_list(item(a, 1));
+  } else if (kind == "n") {
+    out.constant = c10::IValue();
+  } else if (kind == "b") {
+    out.constant = c10::IValue(item(a, 1) == Py_True);
+  } else if (kind == "i") {
+    out.constant = c10::IValue(as_int(item(a, 1)));
+  } else if (kind == "f") {
+    out.constant = c10::IValue(PyFloat_AsDouble(item(a, 1)));
+  } else if (kind == "s") {
+    out.constant = c10::IValue(std::string(PyUnicode_AsUTF8(item(a, 1))));
+  } else if (kind == "il") {
+    out.constant = c10::IValue(int_list(item(a, 1)));
+  } else if (kind == "fl") {
+    std::vector<double> v;
+    PyObject* seq = item(a, 1);
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(seq); ++i)
+      v.push_back(PyFloat_AsDouble(PyTuple_GET_ITEM(seq, i)));
+    out.constant = c10::IValue(v);
+  } else if (kind == "bl") {
+    c10::List<bool> v;
+    PyObject* seq = item(a, 1);
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(seq); ++i)
+      v.push_back(PyTuple_GET_ITEM(seq, i) == Py_True);
+    out.constant = c10::IValue(v);
+  } else if (kind == "wn") {  // a Python number where the schema wants a tensor
+    PyObject* v = item(a, 1);
+    at::Tensor t = PyBool_Check(v) ? at::scalar_tensor(v == Py_True, at::kBool)
+                   : PyLong_Check(v) ? at::scalar_tensor(as_int(v), at::kLong)
+                                     : at::scalar_tensor(PyFloat_AsDouble(v), at::kDouble);
+    t.unsafeGetTensorImpl()->set_wrapped_number(true);
+    out.constant = c10::IValue(t);
+  } else if (kind == "dtype") {
+    out.constant = c10::IValue(static_cast<c10::ScalarType>(as_int(item(a, 1))));
+  } else if (kind == "device") {
+    int64_t index = as_int(item(a, 2));
+    out.constant = c10::IValue(c10::Device(std::string(PyUnicode_AsUTF8(item(a, 1))) +
+                                           (index >= 0 ? ":" + std::to_string(index) : "")));
+  } else if (kind == "layout") {
+    out.constant = c10::IValue(static_cast<c10::Layout>(as_int(item(a, 1))));
+  } else if (kind == "mf") {
+    out.constant = c10::IValue(static_cast<c10::MemoryFormat>(as_int(item(a, 1))));
+  } else {
+    TORCH_CHECK(false, "fusedtrain replay: unknown ATen argument ", kind);
+  }
+  return out;
+}
+
+// An ATen op called boxed, as the Python code called it; its new tensors become slots.
+void call_aten(const Step& st, std::vector<at::Tensor>& slots) {
+  torch::jit::Stack stack;
+  stack.reserve(st.aten_args.size());
+  for (const AtenArg& a : st.aten_args) {
+    switch (a.kind) {
+      case AtenArg::TENSOR:
+        stack.emplace_back(slots[a.slot]);
+        break;
+      case AtenArg::TENSORS: {
+        c10::List<at::Tensor> list;
+        for (int s : a.slots) list.push_back(slots[s]);
+        stack.emplace_back(list);
+        break;
+      }
+      case AtenArg::OPTIONAL_TENSORS: {
+        c10::List<std::optional<at::Tensor>> list;
+        for (int s : a.slots)
+          list.push_back(s < 0 ? std::optional<at::Tensor>() : std::optional<at::Tensor>(slots[s]));
+        stack.emplace_back(list);
+        break;
+      }
+      case AtenArg::CONSTANT:
+        stack.push_back(a.constant);
+        break;
+    }
+  }
+  st.op->callBoxed(&stack);
+  size_t k = 0;
+  for (const c10::IValue& r : stack) {
+    if (r.isTensor()) {
+      if (st.new_outputs.at(k++)) slots.push_back(r.toTensor());
+    } else if (r.isTensorList()) {
+      for (const at::Tensor& t : r.toTensorVector())
+        if (st.new_outputs.at(k++)) slots.push_back(t);
+    }
+  }
+}
+
 // A record as fusedtrain/ops/_replay.py writes it: (steps, outputs), each step a tuple
 // ("alloc", sizes, strides, dtype, device) | ("view", base, sizes, strides, offset, dtype)
-// | ("cuda", function, grid, block, shared, args) | ("python", callable, slots), an arg
-// (kind, slot, value, real).
+// | ("cuda", function, grid, block, shared, args) | ("python", callable, slots)
+// | ("aten", name, overload, args, new outputs); a kernel's arg (kind, slot, value, real).
 Program parse_program(PyObject* record) {
   Program p;
   PyObject* steps = item(record, 0);
@@ -198,6 +321,14 @@ Program parse_program(PyObject* record) {
       st.callable = item(s, 1);
       Py_INCREF(st.callable);
       for (int64_t slot : int_list(item(s, 2))) st.slots.push_back(static_cast<int>(slot));
+    } else if (kind == "aten") {
+      st.kind = ATEN;
+      st.op = c10::Dispatcher::singleton().findSchemaOrThrow(PyUnicode_AsUTF8(item(s, 1)),
+                                                            PyUnicode_AsUTF8(item(s, 2)));
+      PyObject* args = item(s, 3);
+      for (Py_ssize_t a = 0; a < PyTuple_GET_SIZE(args); ++a)
+        st.aten_args.push_back(parse_aten_arg(item(args, a)));
+      for (int64_t flag : int_list(item(s, 4))) st.new_outputs.push_back(flag != 0);
     } else {
       TORCH_CHECK(false, "fusedtrain replay: unknown step ", kind);
     }
@@ -278,6 +409,9 @@ variable_list run(const Program& p, std::vector<at::Tensor>& slots, int device) 
       }
       case CUDA:
         launch(st, slots, device);
+        break;
+      case ATEN:
+        call_aten(st, slots);
         break;
       case PYTHON: {
         PyGILState_STATE gil = PyGILState_Ensure();

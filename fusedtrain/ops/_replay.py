@@ -49,6 +49,14 @@ _DATA_READS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.equal.
                torch.ops.aten.is_nonzero.default}
 
 
+# Ops whose outputs' shapes or values the host cannot know without the data (nonzero,
+# unique, item): a record of them would fix what should vary.
+_DATA_TAGS = {torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output}
+_LAYOUTS = {torch.strided: 0, torch.sparse_coo: 1}
+_MEMORY_FORMATS = {torch.contiguous_format: 0, torch.preserve_format: 1,
+                   torch.channels_last: 2, torch.channels_last_3d: 3}
+
+
 def _has_tensor(out) -> bool:
     if isinstance(out, (tuple, list)):
         return any(_has_tensor(o) for o in out)
@@ -125,12 +133,82 @@ class Recorder(TorchDispatchMode):
                         raise NotRecordableError(f"{func} reinterprets a dtype")
                     self._add(view, ("view", i, tuple(view.shape), view.stride(),
                                      view.storage_offset() - base.storage_offset()))
-            elif func in _DATA_READS or _has_tensor(out):
-                raise NotRecordableError(f"{func} runs outside a recorded kernel")
-            # else a query of metadata (promote_types, ...): no device work
+            elif not _has_tensor(out):
+                if func in _DATA_READS:
+                    raise NotRecordableError(f"{func} reads a tensor's value on the host")
+                # else a query of metadata (promote_types, ...): no device work
+            elif _DATA_TAGS.intersection(func.tags):
+                raise NotRecordableError(f"{func}'s outputs depend on its inputs' values")
+            else:
+                self._aten(func, args, kwargs or {}, out)
         except NotRecordableError as e:
             self.fail(str(e), e.final)
         return out
+
+    def _aten(self, func, args: tuple, kwargs: dict, out) -> None:
+        """An ATen op as a boxed call: its arguments in schema order (defaults filled in),
+        tensors by slot; each returned tensor a new slot, or the argument it returns."""
+        schema = func._schema
+        encoded = []
+        for i, a in enumerate(schema.arguments):
+            if not a.kwarg_only and i < len(args):
+                v = args[i]
+            elif a.name in kwargs:
+                v = kwargs[a.name]
+            elif a.has_default_value():
+                v = a.default_value
+            else:
+                raise NotRecordableError(f"{func}: argument {a.name} not given")
+            if isinstance(v, (bool, int, float)) and str(a.type) == "Tensor":
+                encoded.append(("wn", v))  # x * 2: the Python number as a wrapped tensor
+            else:
+                encoded.append(self._encode(v, func))
+        outs = list(out) if isinstance(out, (tuple, list)) else [out]
+        flags = []
+        for t in outs:
+            if not isinstance(t, torch.Tensor):
+                raise NotRecordableError(f"{func} returns a {type(t).__name__}")
+            new = id(t) not in self.ids
+            flags.append(int(new))
+            if new:
+                self.ids[id(t)] = len(self.slots)
+                self.slots.append(t)
+        self.steps.append(("aten", schema.name, schema.overload_name, tuple(encoded),
+                           tuple(flags)))
+
+    def _encode(self, v, func) -> tuple:
+        if isinstance(v, torch.Tensor):
+            return ("t", self.slot(v))
+        if v is None:
+            return ("n",)
+        if isinstance(v, bool):
+            return ("b", v)
+        if isinstance(v, int):
+            return ("i", v)
+        if isinstance(v, float):
+            return ("f", v)
+        if isinstance(v, str):
+            return ("s", v)
+        if isinstance(v, torch.dtype):
+            return ("dtype", _dtype_code(v))
+        if isinstance(v, torch.device):
+            return ("device", v.type, -1 if v.index is None else v.index)
+        if isinstance(v, torch.layout):
+            return ("layout", _LAYOUTS[v])
+        if isinstance(v, torch.memory_format):
+            return ("mf", _MEMORY_FORMATS[v])
+        if isinstance(v, (tuple, list)):
+            if all(isinstance(x, torch.Tensor) for x in v) and v:
+                return ("tl", tuple(self.slot(x) for x in v))
+            if any(isinstance(x, torch.Tensor) for x in v):
+                return ("otl", tuple(-1 if x is None else self.slot(x) for x in v))
+            if all(isinstance(x, bool) for x in v) and v:
+                return ("bl", tuple(v))
+            if all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+                return ("il", tuple(v))
+            if all(isinstance(x, (int, float)) for x in v):
+                return ("fl", tuple(float(x) for x in v))
+        raise NotRecordableError(f"{func}: an argument of type {type(v).__name__}")
 
     # fast_launch (kernels/_launch.py) reports each launch here.
     def cuda_launch(self, kernel, grid, args: tuple, tail: tuple, direct) -> None:
