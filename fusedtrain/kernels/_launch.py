@@ -224,8 +224,7 @@ class FastLaunch:
         kernel.run(grid[0], grid[1], grid[2], _current_stream(device), kernel.function,
                    kernel.packed_metadata, None, None, None, *values)
         if _RECORDER is not None:
-            _RECORDER.cuda_launch(kernel, grid, args, values[len(args):],
-                                  _direct_launch(kernel))
+            _RECORDER.cuda_launch(kernel, grid, args, values[len(args):])
         tensors = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
         self._plans[(device, plan_key)] = (
             kernel, grid, tensors, [i for i in tensors if args[i].data_ptr() & 15],
@@ -265,7 +264,7 @@ class FastLaunch:
             kernel.run(g[0], g[1], g[2], _current_stream(device), kernel.function,
                        kernel.packed_metadata, None, None, None, *args, *tail)
         if _RECORDER is not None:
-            _RECORDER.cuda_launch(kernel, g, args, tail, direct)
+            _RECORDER.cuda_launch(kernel, g, args, tail)
         return True
 
     def _check_plan(self, plan, grid, kwargs: dict, args: tuple) -> None:

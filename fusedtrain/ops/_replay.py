@@ -211,9 +211,9 @@ class Recorder(TorchDispatchMode):
         raise NotRecordableError(f"{func}: an argument of type {type(v).__name__}")
 
     # fast_launch (kernels/_launch.py) reports each launch here.
-    def cuda_launch(self, kernel, grid, args: tuple, tail: tuple, direct) -> None:
+    def cuda_launch(self, kernel, grid, args: tuple, tail: tuple) -> None:
         try:
-            self.steps.append(_cuda_step(self, kernel, grid, args, tail, direct))
+            self.steps.append(_cuda_step(self, kernel, grid, args, tail))
         except NotRecordableError as e:
             self.fail(str(e), e.final)
 
@@ -260,15 +260,18 @@ _DTYPE_CODES = {torch.uint8: 0, torch.int8: 1, torch.int16: 2, torch.int32: 3, t
                 torch.complex128: 10, torch.bool: 11, torch.bfloat16: 15}
 
 
-def _cuda_step(rec: Recorder, kernel, grid, args: tuple, tail: tuple, direct) -> tuple:
-    """("cuda", function, grid, block, shared, args) for a compiled kernel launched as
-    triton 3.6's C launcher does: every non-constexpr argument in signature order, then
-    its two scratch pointers (null here)."""
-    if direct is None:
-        raise NotRecordableError("its kernel needs scratch memory or another launcher layout")
-    _, cooperative, pdl = direct
-    meta = kernel.packed_metadata
-    if cooperative or pdl or meta[1] != 1 or any(d > 1 for d in meta[3:6]):
+def _cuda_step(rec: Recorder, kernel, grid, args: tuple, tail: tuple) -> tuple:
+    """("cuda", function, grid, block, shared, args, scratch) for a compiled kernel
+    launched as triton 3.6's C launcher does: every non-constexpr argument in signature
+    order, then its global and profile scratch pointers; `scratch`: the global scratch
+    bytes per program (the device-side TMA descriptors' memory), allocated per launch."""
+    run = kernel.run
+    if not _launch.DIRECT_LAUNCH or not hasattr(run, "launch"):
+        raise NotRecordableError("a launcher laid out other than triton 3.6's")
+    if getattr(run, "profile_scratch_size", 1):
+        raise NotRecordableError("a kernel instrumented for profiling")
+    meta = kernel.packed_metadata  # (num_warps, num_ctas, shared memory) in triton 3.6
+    if run.launch_cooperative_grid or run.launch_pdl or meta[1] != 1:
         raise NotRecordableError("a cooperative, PDL or multi-CTA launch")
     signature = list(getattr(getattr(kernel, "src", None), "signature", {}).values())
     values = list(args) + list(tail)
@@ -291,7 +294,8 @@ def _cuda_step(rec: Recorder, kernel, grid, args: tuple, tail: tuple, direct) ->
         else:
             raise NotRecordableError(f"an argument of type {ty}")
     g = _launch._grid3(grid)
-    return ("cuda", kernel.function, g, 32 * meta[0], meta[2], tuple(out))
+    return ("cuda", kernel.function, g, 32 * meta[0], meta[2], tuple(out),
+            run.global_scratch_size)
 
 
 class _StandInCtx:
