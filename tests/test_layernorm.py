@@ -3,8 +3,8 @@ import torch
 from conftest import check_against_oracle, grads_of
 
 from fusedtrain import eager, ops
-from fusedtrain.ops import _replay
 from fusedtrain.gradcheck import gradcheck
+from fusedtrain.ops import _replay
 
 F64 = torch.float64
 

@@ -46,6 +46,9 @@ def train_variants(ablation: bool, compile_mode: str = "default",
                                 user_loop=True, optimizer="torch"),
         "fused-user-loop-ours": dict(kernels=every, eager_attention="sdpa", compile=False,
                                      user_loop=True),
+        # the same with every op on its Python autograd.Function (no C++ replay)
+        "fused-user-loop-python": dict(kernels=every, eager_attention="sdpa", compile=False,
+                                       user_loop=True, optimizer="torch", replay=False),
     }
     # The whole step (forward, backward, AdamW) captured once as one CUDA graph and
     # replayed: the GPU work of `fused` without the host's per-launch cost. Last: in one
@@ -175,6 +178,12 @@ def bench_train_variant(model_name: str, batch: int, seq: int, steps: int, warmu
     clock and power over those steps where nvidia-smi can tell (gpu_clocks), how busy
     the host's CPUs were meanwhile and how fast the host ran Python just before
     (host_load)."""
+    if variant.get("replay") is False:
+        from fusedtrain.ops import _replay
+
+        with _replay.disabled():
+            return bench_train_variant(model_name, batch, seq, steps, warmup,
+                                       {**variant, "replay": None}, device, data_source, seed)
     if variant.get("user_loop"):
         with torch.autograd.set_multithreading_enabled(True):
             return _bench_steps(model_name, batch, seq, steps, warmup, variant, device,
