@@ -247,3 +247,28 @@ def test_the_tiny_fused_gpt_trains_bit_for_bit_as_with_python_functions():
         ref = step()
     for _ in range(3):
         assert all(torch.equal(a, b) for a, b in zip(step(), ref))
+
+
+def test_a_replayed_node_keeps_autograds_contract():
+    """retain_graph, saved-tensor hooks (each saved tensor packed), non-reentrant
+    checkpointing and tensor hooks work through a replayed node as through the Function."""
+    import torch.utils.checkpoint as checkpoint
+
+    x, w, b = _leaves((4, 24), (24,), (24,))
+    for _ in range(3):
+        y = ops.layer_norm(x, w, b)
+    assert _replayed_node(y)
+    first = torch.autograd.grad(y.sum(), (x, w, b), retain_graph=True)
+    assert all(torch.equal(a, c) for a, c in zip(first, torch.autograd.grad(y.sum(), (x, w, b))))
+    packed = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
+        y = ops.layer_norm(x, w, b)
+    assert _replayed_node(y) and len(packed) == 4  # x, weight, bias, the statistics
+    assert all(torch.equal(a, c) for a, c in zip(first, torch.autograd.grad(y.sum(), (x, w, b))))
+    y = checkpoint.checkpoint(lambda t: ops.layer_norm(t, w, b), x, use_reentrant=False)
+    assert all(torch.allclose(a, c) for a, c in zip(first, torch.autograd.grad(y.sum(), (x, w, b))))
+    seen = []
+    y = ops.layer_norm(x, w, b)
+    y.register_hook(lambda g: seen.append(g.shape))
+    y.sum().backward()
+    assert seen == [y.shape]
