@@ -272,3 +272,18 @@ def test_a_replayed_node_keeps_autograds_contract():
     y.register_hook(lambda g: seen.append(g.shape))
     y.sum().backward()
     assert seen == [y.shape]
+
+
+class _Tagged(torch.Tensor):
+    """A Tensor subclass: its calls go to the Python Function, never to a record."""
+
+
+def test_a_tensor_subclass_runs_the_python_function():
+    x, w, b = _leaves((4, 24), (24,), (24,))
+    for _ in range(3):
+        ops.layer_norm(x, w, b)
+    tagged = x.detach().as_subclass(_Tagged).requires_grad_()
+    for _ in range(3):
+        y = ops.layer_norm(tagged, w, b)
+        assert not _replayed_node(y)
+    assert torch.equal(y.as_subclass(torch.Tensor), ops.layer_norm(x, w, b))

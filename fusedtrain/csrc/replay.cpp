@@ -736,6 +736,11 @@ PyObject* apply(PyObject*, PyObject* py_args) {
   PyObject* args;
   if (!PyArg_ParseTuple(py_args, "nO!", &index, &PyTuple_Type, &args)) return nullptr;
   Op& op = *ops.at(index);
+  // A Tensor subclass (not Parameter) may give its ops other meanings: the Function's.
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(args); ++i) {
+    PyObject* a = PyTuple_GET_ITEM(args, i);
+    if (!THPVariable_CheckExact(a) && THPVariable_Check(a)) Py_RETURN_NOTIMPLEMENTED;
+  }
   variable_list inputs;
   Key key = forward_key(args, inputs);
   auto it = op.forwards.find(key);
