@@ -647,7 +647,9 @@ variable_list python_backward(Forward& f, const variable_list& saved, const vari
     if (record) {
       PyObject* rec = PyTuple_GET_ITEM(result, 1);
       std::lock_guard<std::mutex> lock(f.mutex);
-      if (rec != Py_None) {
+      if (b.state != PENDING) {
+        // another thread recorded this layout meanwhile; its program may be running
+      } else if (rec != Py_None) {
         b.program = parse_program(rec);
         b.state = RECORDED;
       } else if (PyTuple_GET_ITEM(result, 2) == Py_True || ++b.attempts >= ATTEMPTS) {

@@ -6,21 +6,23 @@ autograd's hand-over of a Python node to its device thread. `Replayed(fn)` runs 
 Function once per call signature (the arguments' dtypes, devices, shapes, strides,
 16-byte alignment, requires_grad and aliasing, the other arguments' values, grad mode,
 autocast and deterministic mode) under a recorder, which writes down what its forward
-did: the tensors it allocated, the views it took, each kernel launch (the compiled
+did: the tensors it allocated, the views it took, every other ATen op (a cuBLAS GEMM, a
+fill, a cast: a boxed call with its tensors as slots), each kernel launch (the compiled
 kernel's function, grid, block, shared memory, and every argument as a slot or a value).
 Later calls with that signature go to fusedtrain/csrc/replay.cpp, which allocates,
-launches and builds one C++ autograd node (native.py). Its backward is recorded the same
-way on its first call per gradient layout, from the Function's own backward run with a
-stand-in ctx, and then replayed without the GIL.
+calls, launches and builds one C++ autograd node (native.py). Its backward is recorded
+the same way on its first call per gradient layout, from the Function's own backward run
+with a stand-in ctx, and then replayed without the GIL.
 
-A call is recorded only if every GPU operation in it is a kernel launch through
-`fast_launch` with the layout triton 3.6's launcher gives it (no scratch memory, one CTA
-per program, no cooperative or PDL launch) and every ATen op an allocation or a view;
-anything else (cuBLAS, a copy, a kernel triton is still compiling or tuning) leaves the
-signature to the Python Function, logged once with the reason. Under triton's interpreter
-the launches are recorded as Python calls of the kernel, so the CPU tests run the same
-records. The ctx attributes a backward reads must follow from the signature (a
-Function that stores a tensor or a value of its data there is left to Python).
+A call is recorded only if every kernel in it is launched through `fast_launch` with the
+layout triton 3.6's launcher gives it (no scratch memory, no host-side tensor
+descriptor, one CTA per program, no cooperative or PDL launch) and no ATen op in it reads
+a value back to the host or makes outputs of data-dependent shape; anything else (or a
+kernel triton is still compiling or tuning: retried) leaves the signature to the Python
+Function, logged once with the reason. Under triton's interpreter the launches are
+recorded as Python calls of the kernel, so the CPU tests run the same records. The ctx
+attributes a backward reads must follow from the signature (a Function that stores a
+tensor there is left to Python).
 """
 
 from __future__ import annotations
