@@ -319,9 +319,6 @@ def _plain(v: Any) -> bool:
                                        torch.Size))
 
 
-_TRITON_RUNS: list[tuple[type, Callable]] = []
-
-
 def _count_general_launches(rec: Recorder):
     """Patch triton's own launch paths to count into rec while it records (one recorder
     at a time: records are made under the GIL, on first calls only)."""
@@ -342,6 +339,9 @@ def _count_general_launches(rec: Recorder):
 
 
 class _Recording:
+    """Within: rec receives every ATen op and launch (its mode, the launch hook, the
+    count of triton's own launches)."""
+
     def __init__(self, rec: Recorder):
         self.rec = rec
 
