@@ -5,7 +5,8 @@ Why a compiled module: a Python autograd.Function costs more host time per call 
 PyTorch's own ops do with all their work (docs/performance.md, "Host cost"). The module
 replays an op's recorded launches from one C++ autograd node (fusedtrain/ops/_replay.py).
 
-Built with g++ -O3 against torch's headers into `$FUSEDTRAIN_CACHE` (default
+Built by one g++ -O3 command against torch's headers (torch.utils.cpp_extension.load
+would also need ninja) into `$FUSEDTRAIN_CACHE` (default
 ~/.cache/fusedtrain), keyed by the source, torch's version and the Python ABI: ~40-60 s the
 first time on one core, a dlopen after. FUSEDTRAIN_REPLAY=0 skips it (every op then runs
 its Python Function, as without a compiler).

@@ -442,6 +442,7 @@ struct Key {
   std::vector<int64_t> ints;
   std::vector<PyObject*> objects;  // arguments compared by value in Python (owned)
   size_t hash = 0;
+  bool subclass = false;  // a Tensor subclass among the arguments: never replayed
   bool operator==(const Key& o) const {
     if (hash != o.hash || ints != o.ints || objects.size() != o.objects.size()) return false;
     for (size_t i = 0; i < objects.size(); ++i) {
@@ -494,7 +495,7 @@ Key forward_key(PyObject* args, std::vector<at::Tensor>& tensors) {
   Py_ssize_t n = PyTuple_GET_SIZE(args);
   for (Py_ssize_t i = 0; i < n; ++i) {
     PyObject* a = PyTuple_GET_ITEM(args, i);
-    if (THPVariable_Check(a)) {
+    if (THPVariable_CheckExact(a)) {  // a Tensor or Parameter
       const at::Tensor& t = THPVariable_Unpack(a);
       add_tensor(ints, t, true);
       const void* data = t.has_storage() ? t.storage().data() : nullptr;
@@ -534,6 +535,8 @@ Key forward_key(PyObject* args, std::vector<at::Tensor>& tensors) {
         ints.push_back(6);
         ints.push_back(bits);
       } else {
+        // A Tensor subclass may give its ops other meanings: the Function's, each call.
+        k.subclass = k.subclass || THPVariable_Check(a);
         Py_hash_t h = PyObject_Hash(a);
         if (h == -1) throw python_error();
         ints.push_back(7);
@@ -589,12 +592,15 @@ struct Op {
 
 std::vector<Op*> ops;
 
+PyObject* wrap_or_none(const at::Tensor& t) {  // a new reference
+  if (t.defined()) return THPVariable_Wrap(t);
+  Py_INCREF(Py_None);
+  return Py_None;
+}
+
 PyObject* tensor_list(const variable_list& ts) {
   PyObject* list = PyList_New(static_cast<Py_ssize_t>(ts.size()));
-  for (size_t i = 0; i < ts.size(); ++i) {
-    PyObject* o = ts[i].defined() ? THPVariable_Wrap(ts[i]) : (Py_INCREF(Py_None), Py_None);
-    PyList_SET_ITEM(list, i, o);
-  }
+  for (size_t i = 0; i < ts.size(); ++i) PyList_SET_ITEM(list, i, wrap_or_none(ts[i]));
   return list;
 }
 
@@ -722,10 +728,7 @@ PyObject* new_op(PyObject*, PyObject* args) {
 PyObject* pack_outputs(const variable_list& outputs, bool single) {
   if (single) return THPVariable_Wrap(outputs.at(0));
   PyObject* tuple = PyTuple_New(static_cast<Py_ssize_t>(outputs.size()));
-  for (size_t i = 0; i < outputs.size(); ++i) {
-    PyObject* o = outputs[i].defined() ? THPVariable_Wrap(outputs[i]) : (Py_INCREF(Py_None), Py_None);
-    PyTuple_SET_ITEM(tuple, i, o);
-  }
+  for (size_t i = 0; i < outputs.size(); ++i) PyTuple_SET_ITEM(tuple, i, wrap_or_none(outputs[i]));
   return tuple;
 }
 
@@ -738,13 +741,12 @@ PyObject* apply(PyObject*, PyObject* py_args) {
   PyObject* args;
   if (!PyArg_ParseTuple(py_args, "nO!", &index, &PyTuple_Type, &args)) return nullptr;
   Op& op = *ops.at(index);
-  // A Tensor subclass (not Parameter) may give its ops other meanings: the Function's.
-  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(args); ++i) {
-    PyObject* a = PyTuple_GET_ITEM(args, i);
-    if (!THPVariable_CheckExact(a) && THPVariable_Check(a)) Py_RETURN_NOTIMPLEMENTED;
-  }
   variable_list inputs;
   Key key = forward_key(args, inputs);
+  if (key.subclass) {
+    release(key);
+    Py_RETURN_NOTIMPLEMENTED;
+  }
   auto it = op.forwards.find(key);
   release(key);
   if (it == op.forwards.end()) {
