@@ -20,6 +20,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/Context.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/empty_strided.h>
 #include <ATen/ops/scalar_tensor.h>
 #include <c10/core/GradMode.h>
@@ -134,6 +135,7 @@ struct Step {
   void* function = nullptr;
   unsigned grid[3] = {1, 1, 1};
   unsigned block = 0, shared = 0;
+  int64_t scratch = 0;  // bytes of global scratch memory per program (TMA descriptors)
   std::vector<Arg> args;
   // PYTHON: callable(list of the slots' tensors)
   PyObject* callable = nullptr;
@@ -281,7 +283,7 @@ void call_aten(const Step& st, std::vector<at::Tensor>& slots) {
 
 // A record as fusedtrain/ops/_replay.py writes it: (steps, outputs), each step a tuple
 // ("alloc", sizes, strides, dtype, device) | ("view", base, sizes, strides, offset, dtype)
-// | ("cuda", function, grid, block, shared, args) | ("python", callable, slots)
+// | ("cuda", function, grid, block, shared, args, scratch) | ("python", callable, slots)
 // | ("aten", name, overload, args, new outputs); a kernel's arg (kind, slot, value, real).
 Program parse_program(PyObject* record) {
   Program p;
@@ -309,6 +311,7 @@ Program parse_program(PyObject* record) {
       for (int d = 0; d < 3; ++d) st.grid[d] = static_cast<unsigned>(grid[d]);
       st.block = static_cast<unsigned>(as_int(item(s, 3)));
       st.shared = static_cast<unsigned>(as_int(item(s, 4)));
+      st.scratch = as_int(item(s, 6));
       PyObject* args = item(s, 5);
       for (Py_ssize_t a = 0; a < PyTuple_GET_SIZE(args); ++a) {
         PyObject* arg = item(args, a);
@@ -339,7 +342,8 @@ Program parse_program(PyObject* record) {
 }
 
 // One launch's parameter block: every argument by address, as cuLaunchKernel takes them,
-// then triton's two scratch pointers (null: a recorded kernel needs no scratch memory).
+// then triton's two scratch pointers: global scratch allocated per launch as triton's
+// launcher does (grid size x bytes per program), profile scratch null.
 union Value {
   uint64_t u64;
   int64_t i64;
@@ -383,7 +387,15 @@ void launch(const Step& st, const std::vector<at::Tensor>& slots, int device) {
   uint64_t global_scratch = 0, profile_scratch = 0;
   params[n++] = &global_scratch;
   params[n++] = &profile_scratch;
-  if (st.grid[0] * st.grid[1] * st.grid[2] == 0) return;
+  const int64_t programs = int64_t(st.grid[0]) * st.grid[1] * st.grid[2];
+  if (programs == 0) return;
+  at::Tensor scratch;  // freed after the launch is queued: the allocator orders by stream
+  if (st.scratch > 0) {
+    scratch = at::empty({programs * st.scratch},
+                        at::TensorOptions().dtype(at::kByte).device(
+                            c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device))));
+    global_scratch = reinterpret_cast<uint64_t>(scratch.data_ptr());
+  }
   ensure_context(device);
   check_cuda(driver().launch(st.function, st.grid[0], st.grid[1], st.grid[2], st.block, 1, 1,
                              st.shared, current_stream(device), params, nullptr),

@@ -15,7 +15,7 @@ the same way on its first call per gradient layout, from the Function's own back
 with a stand-in ctx, and then replayed without the GIL.
 
 A call is recorded only if every kernel in it is launched through `fast_launch` with the
-layout triton 3.6's launcher gives it (no scratch memory, no host-side tensor
+layout triton 3.6's launcher gives it (no profiling scratch, no host-side tensor
 descriptor, one CTA per program, no cooperative or PDL launch) and no ATen op in it reads
 a value back to the host or makes outputs of data-dependent shape; anything else (or a
 kernel triton is still compiling or tuning: retried) leaves the signature to the Python
@@ -263,16 +263,15 @@ _DTYPE_CODES = {torch.uint8: 0, torch.int8: 1, torch.int16: 2, torch.int32: 3, t
 
 
 def _cuda_step(rec: Recorder, kernel, grid, args: tuple, tail: tuple) -> tuple:
-    """("cuda", function, grid, block, shared, args) for a compiled kernel launched as
-    triton 3.6's C launcher does: every non-constexpr argument in signature order, then
-    its global and profile scratch pointers (null: a kernel that needs scratch memory,
-    such as one making TMA descriptors on the device, is not recorded)."""
+    """("cuda", function, grid, block, shared, args, scratch) for a compiled kernel
+    launched as triton 3.6's C launcher does: every non-constexpr argument in signature
+    order, then its global and profile scratch pointers; `scratch`: the global scratch
+    bytes per program (the device-side TMA descriptors' memory), allocated per launch."""
     run = kernel.run
     if not _launch.DIRECT_LAUNCH or not hasattr(run, "launch"):
         raise NotRecordableError("a launcher laid out other than triton 3.6's")
-    if getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1):
-        raise NotRecordableError("its kernel needs scratch memory (TMA descriptors made "
-                                 "on the device, or profiling)")
+    if getattr(run, "profile_scratch_size", 1):
+        raise NotRecordableError("a kernel instrumented for profiling")
     meta = kernel.packed_metadata  # (num_warps, num_ctas, shared memory) in triton 3.6
     if run.launch_cooperative_grid or run.launch_pdl or meta[1] != 1:
         raise NotRecordableError("a cooperative, PDL or multi-CTA launch")
@@ -297,7 +296,8 @@ def _cuda_step(rec: Recorder, kernel, grid, args: tuple, tail: tuple) -> tuple:
         else:
             raise NotRecordableError(f"an argument of type {ty}")
     g = _launch._grid3(grid)
-    return ("cuda", kernel.function, g, 32 * meta[0], meta[2], tuple(out))
+    return ("cuda", kernel.function, g, 32 * meta[0], meta[2], tuple(out),
+            run.global_scratch_size)
 
 
 class _StandInCtx:
