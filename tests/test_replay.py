@@ -94,6 +94,36 @@ def test_layer_norm_replays_from_a_cpp_node_once_recorded():
         assert not _replayed_node(ops.layer_norm(x, w, b))
 
 
+def test_a_replayed_signature_skips_the_checks_and_bad_neighbours_still_raise(monkeypatch):
+    """The LayerNorm family replays a recorded signature before validating (the record's
+    call passed the checks); any other argument misses the record and is checked."""
+    from fusedtrain.ops import layernorm
+    x, r, w, b = _leaves((4, 24), (4, 24), (24,), (24,))
+    for _ in range(4):
+        ops.layer_norm(x, w, b)
+        ops.add_layer_norm(x, r, w, b)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("checked")
+
+    with monkeypatch.context() as m:
+        m.setattr(layernorm, "_check", refuse)
+        assert _replayed_node(ops.layer_norm(x, w, b))
+        assert _replayed_node(ops.add_layer_norm(x, r, w, b)[0])
+        with pytest.raises(AssertionError, match="checked"):
+            ops.layer_norm(x, w, b, eps=1e-3)  # another signature: checked first
+    with pytest.raises(ValueError, match="eps"):
+        ops.layer_norm(x, w, b, eps=-1.0)
+    with pytest.raises(ValueError, match="weight"):
+        ops.layer_norm(x, w[:23], b)
+    with pytest.raises(TypeError, match="weight"):
+        ops.layer_norm(x, [1.0] * 24, b)  # unhashable: never a key
+    with pytest.raises(TypeError, match="x_bias"):
+        ops.add_layer_norm(x, r, w, b, x_bias=x.to(torch.float64)[0])
+    with pytest.raises(ValueError, match="residual"):
+        ops.add_layer_norm(x, None, w, b)
+
+
 def test_a_new_layout_is_recorded_of_its_own():
     """Strides and 16-byte alignment are part of the signature: an offset view of the same
     shape gets its own record, and computes what the Python Function does."""

@@ -454,7 +454,7 @@ struct Key {
   std::vector<int64_t> ints;
   std::vector<PyObject*> objects;  // arguments compared by value in Python (owned)
   size_t hash = 0;
-  bool subclass = false;  // a Tensor subclass among the arguments: never replayed
+  bool subclass = false;  // a Tensor subclass (or an unhashable value) among the arguments: never replayed
   bool operator==(const Key& o) const {
     if (hash != o.hash || ints != o.ints || objects.size() != o.objects.size()) return false;
     for (size_t i = 0; i < objects.size(); ++i) {
@@ -550,7 +550,11 @@ Key forward_key(PyObject* args, std::vector<at::Tensor>& tensors) {
         // A Tensor subclass may give its ops other meanings: the Function's, each call.
         k.subclass = k.subclass || THPVariable_Check(a);
         Py_hash_t h = PyObject_Hash(a);
-        if (h == -1) throw python_error();
+        if (h == -1) {  // unhashable (a caller's bad argument, before the op checks it)
+          PyErr_Clear();
+          k.subclass = true;
+          h = 0;
+        }
         ints.push_back(7);
         hash = mix(hash, static_cast<uint64_t>(h));
         Py_INCREF(a);

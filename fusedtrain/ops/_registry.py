@@ -36,7 +36,7 @@ def backward_wanted(*tensors: torch.Tensor | None) -> bool:
     """Whether autograd will call the op's backward: grad mode on and some input needing
     a gradient. Otherwise what only backward reads (saved pre-activations, statistics)
     need not be written."""
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    return torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in tensors)
 
 
 _C_APPLY = torch._C._FunctionBase.__dict__["apply"]
@@ -61,6 +61,17 @@ def function_apply(fn: type[torch.autograd.Function]) -> Callable:
             return direct(*args)
         return replayed(args)
 
+    def hit(*args):
+        """apply(*args) where plain eager execution replays a recorded signature, else
+        None. A public op may call this before validating its arguments: a signature is
+        recorded only from a call that passed them (the key holds every property its
+        checks read: dtypes, devices, shapes, scalar values, autocast)."""
+        if (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
+                or _get_current_dispatch_mode() is not None):
+            return None
+        return replayed.hit(args)
+
+    apply.hit = hit
     return apply
 
 

@@ -424,6 +424,16 @@ class Replayed:
             return self.direct(*args)
         return out
 
+    def hit(self, args: tuple):
+        """The replayed outputs where args' signature is recorded and replayable, else
+        None; never records."""
+        native_ops = self._native if self.index is not None and self.index >= 0 else None
+        if (native_ops is None or not _ON or _launch._RECORDER is not None
+                or self.fn.forward is not self._code[0] or self.fn.backward is not self._code[1]):
+            return None
+        out = native_ops.apply(self.index, args)
+        return None if out is None or out is NotImplemented else out
+
     def _record(self, args: tuple):
         inputs = [a if isinstance(a, torch.Tensor) else None for a in args]
         self._active = Recorder(inputs)

@@ -181,10 +181,21 @@ def _check(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float,
     return cast
 
 
+def _out_dtype(x: Tensor) -> torch.dtype:
+    """What _check returns for valid inputs: the autocast dtype, else x's."""
+    return autocast_dtype(x) or x.dtype
+
+
 def _normalise(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float,
                approximate: str = "", stream: bool = False, rms: bool = False):
     """LayerNormFunction on checked inputs: [gelu](layer_norm(x)) (rms_norm(x) with `rms`),
-    with `stream` also x; an empty x through the eager twin."""
+    with `stream` also x; an empty x through the eager twin. A replayed signature skips
+    the checks (function_apply's `hit`)."""
+    if isinstance(x, Tensor):
+        out = _apply_layer_norm.hit(x, weight, bias, eps, approximate, _out_dtype(x),
+                                    backward_wanted(x, weight, bias), stream, rms)
+        if out is not None:
+            return out
     out_dtype = _check(x, weight, bias, eps)
     if x.numel() == 0:
         y = (eager.rms_norm(x, weight, eps) if rms
@@ -221,7 +232,13 @@ def add_layer_norm(x: Tensor, residual: Tensor, weight: Tensor | None, bias: Ten
 def _add_normalise(x: Tensor, residual: Tensor, weight: Tensor | None, bias: Tensor | None,
                    eps: float, x_bias: Tensor | None = None, rms: bool = False):
     """AddLayerNormFunction on checked inputs (RMSNorm with `rms`); an empty x through the
-    eager twin."""
+    eager twin. A replayed signature skips the checks."""
+    if isinstance(x, Tensor):
+        out = _apply_add_layer_norm.hit(
+            x, residual, weight, bias, eps, _out_dtype(x),
+            backward_wanted(x, residual, weight, bias, x_bias), x_bias, rms)
+        if out is not None:
+            return out
     if residual is None:
         raise ValueError("residual must be a tensor; use layer_norm without one")
     out_dtype = _check(x, weight, bias, eps, residual, x_bias)
