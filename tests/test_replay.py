@@ -49,13 +49,17 @@ CASES = {
     "swiglu_mlp": (ops.swiglu_mlp, lambda: _leaves((6, 32), (40, 32), (40, 32), (32, 40))),
     "qkv_projection": (lambda x, w, b: ops.qkv_projection(x, w, b, 2),
                        lambda: _leaves((2, 5, 32), (96, 32), (96,))),
+    "rotary": (lambda x: ops.rotary(x, 10000.0), lambda: _leaves((1, 2, 8, 16))),
+    "rope_qkv_projection": (
+        lambda x, w: ops.qkv_projection(x, w, None, 4, 2, rope_base=10000.0),
+        lambda: _leaves((1, 8, 32), (64, 32))),
     "linear_cross_entropy": (ops.linear_cross_entropy, lambda: [
         *_leaves((10, 32), (50, 32)), torch.randint(0, 50, (10,), device=DEVICE)]),
 }
 
 
 # Every op here: at these shapes their forwards are Triton launches, allocations, views
-# and ATen ops of known output shapes.
+# and ATen ops of known output shapes (and RoPE's cached frequency table, held).
 REPLAYED = set(CASES)
 
 

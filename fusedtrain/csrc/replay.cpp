@@ -112,7 +112,7 @@ struct Arg {
   double real;     // floats
 };
 
-enum StepKind : int { ALLOC = 0, VIEW = 1, CUDA = 2, PYTHON = 3, ATEN = 4 };
+enum StepKind : int { ALLOC = 0, VIEW = 1, CUDA = 2, PYTHON = 3, ATEN = 4, CONST = 5 };
 
 // An ATen op's argument, as a boxed call takes it: a tensor (slot), a list of them (slots;
 // optional entries -1), or a constant IValue made once.
@@ -145,6 +145,8 @@ struct Step {
   std::optional<c10::OperatorHandle> op;
   std::vector<AtenArg> aten_args;
   std::vector<bool> new_outputs;
+  // CONST: a cached table the record holds (fusedtrain.kernels._launch.mark_constant)
+  at::Tensor constant;
 };
 
 struct Program {
@@ -284,7 +286,7 @@ void call_aten(const Step& st, std::vector<at::Tensor>& slots) {
 // A record as fusedtrain/ops/_replay.py writes it: (steps, outputs), each step a tuple
 // ("alloc", sizes, strides, dtype, device) | ("view", base, sizes, strides, offset, dtype)
 // | ("cuda", function, grid, block, shared, args, scratch) | ("python", callable, slots)
-// | ("aten", name, overload, args, new outputs); a kernel's arg (kind, slot, value, real).
+// | ("aten", name, overload, args, new outputs) | ("const", tensor); a kernel's arg (kind, slot, value, real).
 Program parse_program(PyObject* record) {
   Program p;
   PyObject* steps = item(record, 0);
@@ -324,6 +326,9 @@ Program parse_program(PyObject* record) {
       st.callable = item(s, 1);
       Py_INCREF(st.callable);
       for (int64_t slot : int_list(item(s, 2))) st.slots.push_back(static_cast<int>(slot));
+    } else if (kind == "const") {
+      st.kind = CONST;
+      st.constant = THPVariable_Unpack(item(s, 1));
     } else if (kind == "aten") {
       st.kind = ATEN;
       st.op = c10::Dispatcher::singleton().findSchemaOrThrow(PyUnicode_AsUTF8(item(s, 1)),
@@ -424,6 +429,9 @@ variable_list run(const Program& p, std::vector<at::Tensor>& slots, int device) 
         break;
       case ATEN:
         call_aten(st, slots);
+        break;
+      case CONST:
+        slots.push_back(st.constant);
         break;
       case PYTHON: {
         PyGILState_STATE gil = PyGILState_Ensure();

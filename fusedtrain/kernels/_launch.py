@@ -119,6 +119,17 @@ def _traced(kernel, grid, args: tuple, kwargs: dict) -> None:
     wrap_triton(kernel)[grid](*args, **kwargs)
 
 
+CONSTANT = "_fusedtrain_constant"
+
+
+def mark_constant(t: torch.Tensor) -> torch.Tensor:
+    """t, marked as a cached table that never changes once made, which a recorded call
+    (ops/_replay.py) may hold and reuse: its cache key must follow from the call's
+    signature (shapes, dtypes, devices, scalar values)."""
+    setattr(t, CONSTANT, True)
+    return t
+
+
 class PlanMismatchError(AssertionError):
     """A planned launch would differ from triton's own: its launcher's key is incomplete."""
 

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from fusedtrain.kernels._device import acc_dtype, ceil_div, next_pow2, stat_dtype
-from fusedtrain.kernels._launch import fast_launch, tracing
+from fusedtrain.kernels._launch import fast_launch, mark_constant, tracing
 from fusedtrain.kernels._primitives import sin_cos
 
 _BLOCK_T = 32
@@ -52,7 +52,8 @@ def _rope_kernel(x_ptr, pos_ptr, freq_ptr, o_ptr, N, T, HALF, s_xb, s_xh, s_xt, 
 @functools.lru_cache(maxsize=16)
 def _inv_freq_cached(head_dim: int, base: float, device: torch.device, dtype: torch.dtype
                      ) -> torch.Tensor:
-    return 1.0 / base ** (torch.arange(0, head_dim, 2, device=device, dtype=dtype) / head_dim)
+    return mark_constant(
+        1.0 / base ** (torch.arange(0, head_dim, 2, device=device, dtype=dtype) / head_dim))
 
 
 def inv_freq(head_dim: int, base: float, device: torch.device, dtype: torch.dtype

@@ -101,6 +101,9 @@ class Recorder(TorchDispatchMode):
 
     def slot(self, t: torch.Tensor) -> int:
         i = self.ids.get(id(t))
+        if i is None and getattr(t, _launch.CONSTANT, False):
+            self._add(t, ("const", t))
+            return len(self.slots) - 1
         if i is None:
             raise NotRecordableError("a tensor that came from neither an input nor a recorded op")
         return i
