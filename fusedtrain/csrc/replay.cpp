@@ -462,7 +462,7 @@ struct Key {
   std::vector<int64_t> ints;
   std::vector<PyObject*> objects;  // arguments compared by value in Python (owned)
   size_t hash = 0;
-  bool subclass = false;  // a Tensor subclass (or an unhashable value) among the arguments: never replayed
+  bool unkeyed = false;  // a Tensor subclass (or an unhashable value) among the arguments: never replayed
   bool operator==(const Key& o) const {
     if (hash != o.hash || ints != o.ints || objects.size() != o.objects.size()) return false;
     for (size_t i = 0; i < objects.size(); ++i) {
@@ -556,11 +556,11 @@ Key forward_key(PyObject* args, std::vector<at::Tensor>& tensors) {
         ints.push_back(bits);
       } else {
         // A Tensor subclass may give its ops other meanings: the Function's, each call.
-        k.subclass = k.subclass || THPVariable_Check(a);
+        k.unkeyed = k.unkeyed || THPVariable_Check(a);
         Py_hash_t h = PyObject_Hash(a);
         if (h == -1) {  // unhashable (a caller's bad argument, before the op checks it)
           PyErr_Clear();
-          k.subclass = true;
+          k.unkeyed = true;
           h = 0;
         }
         ints.push_back(7);
@@ -767,7 +767,7 @@ PyObject* apply(PyObject*, PyObject* py_args) {
   Op& op = *ops.at(index);
   variable_list inputs;
   Key key = forward_key(args, inputs);
-  if (key.subclass) {
+  if (key.unkeyed) {
     release(key);
     Py_RETURN_NOTIMPLEMENTED;
   }

@@ -49,11 +49,15 @@ def _rope_kernel(x_ptr, pos_ptr, freq_ptr, o_ptr, N, T, HALF, s_xb, s_xh, s_xt, 
     tl.store(o_row + HALF, (x2 * cos + x1 * sin).to(o_ptr.dtype.element_ty), mask=ok)
 
 
+def _inv_freq(head_dim: int, base: float, device: torch.device, dtype: torch.dtype
+              ) -> torch.Tensor:
+    return 1.0 / base ** (torch.arange(0, head_dim, 2, device=device, dtype=dtype) / head_dim)
+
+
 @functools.lru_cache(maxsize=16)
 def _inv_freq_cached(head_dim: int, base: float, device: torch.device, dtype: torch.dtype
                      ) -> torch.Tensor:
-    return mark_constant(
-        1.0 / base ** (torch.arange(0, head_dim, 2, device=device, dtype=dtype) / head_dim))
+    return mark_constant(_inv_freq(head_dim, base, device, dtype))
 
 
 def inv_freq(head_dim: int, base: float, device: torch.device, dtype: torch.dtype
@@ -61,7 +65,7 @@ def inv_freq(head_dim: int, base: float, device: torch.device, dtype: torch.dtyp
     """(D/2,) base ** (-2d / D) in dtype (fp32, or fp64), as transformers' Llama computes it:
     1 / base ** (arange(0, D, 2) / D). Cached, except while traced for torch.compile, where
     it is a traced tensor that must not outlive its graph."""
-    make = _inv_freq_cached.__wrapped__ if tracing() else _inv_freq_cached
+    make = _inv_freq if tracing() else _inv_freq_cached
     return make(head_dim, float(base), device, dtype)
 
 

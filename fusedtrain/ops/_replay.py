@@ -406,35 +406,35 @@ class Replayed:
                                             "__module__": fn.__module__}))
         self._active: Recorder | None = None
 
-    def __call__(self, args: tuple):
+    def _ready(self):
+        """replay.cpp's module where this call may go through it, else None: no native
+        module, replay off, or inside another op's forward (recorded there). Code replaced
+        since the records (a test's monkeypatch) drops them."""
         if self.index is None:
             module = native.load()
-            if module is None:
-                self.index = -1
-            else:
-                self.index = module.new_op(self._backward, LIMIT)
-                self._native = module
+            self.index = -1 if module is None else module.new_op(self._backward, LIMIT)
+            self._native = module
         if self.index < 0 or not _ON or _launch._RECORDER is not None:
-            return self.direct(*args)  # (an op inside another's forward: recorded there)
-        code = self._code
-        if self.fn.forward is not code[0] or self.fn.backward is not code[1]:
-            self._native.reset(self.index)  # its code was replaced (a test's monkeypatch)
+            return None
+        if self.fn.forward is not self._code[0] or self.fn.backward is not self._code[1]:
+            self._native.reset(self.index)
             self._recording_apply()
-        out = self._native.apply(self.index, args)
+        return self._native
+
+    def __call__(self, args: tuple):
+        native_ops = self._ready()
+        if native_ops is None:
+            return self.direct(*args)
+        out = native_ops.apply(self.index, args)
         if out is None:
             return self._record(args)
-        if out is NotImplemented:
-            return self.direct(*args)
-        return out
+        return self.direct(*args) if out is NotImplemented else out
 
     def hit(self, args: tuple):
         """The replayed outputs where args' signature is recorded and replayable, else
         None; never records."""
-        native_ops = self._native if self.index is not None and self.index >= 0 else None
-        if (native_ops is None or not _ON or _launch._RECORDER is not None
-                or self.fn.forward is not self._code[0] or self.fn.backward is not self._code[1]):
-            return None
-        out = native_ops.apply(self.index, args)
+        native_ops = self._ready()
+        out = None if native_ops is None else native_ops.apply(self.index, args)
         return None if out is None or out is NotImplemented else out
 
     def _record(self, args: tuple):

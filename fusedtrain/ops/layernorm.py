@@ -152,8 +152,8 @@ _apply_add_layer_norm = function_apply(AddLayerNormFunction)
 
 
 def _check(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float,
-           residual: Tensor | None = None, x_bias: Tensor | None = None) -> torch.dtype:
-    """Validate; return the output dtype (the autocast dtype under autocast)."""
+           residual: Tensor | None = None, x_bias: Tensor | None = None) -> None:
+    """Validate: shapes, eps, and one dtype and device (under autocast, one device)."""
     check_tensor("x", x, min_ndim=1)
     C = x.shape[-1]
     if C > K.MAX_C:
@@ -171,18 +171,16 @@ def _check(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float,
         t = named[name]
         if t is not None and tuple(t.shape) != (C,):
             raise ValueError(f"{name} has shape {tuple(t.shape)}, expected ({C},)")
-    cast = autocast_dtype(x)
-    if cast is None:
+    if autocast_dtype(x) is None:
         check_same("x", x, **named)
-        return x.dtype
+        return
     for name, t in named.items():
         if t is not None and t.device != x.device:
             raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
-    return cast
 
 
 def _out_dtype(x: Tensor) -> torch.dtype:
-    """What _check returns for valid inputs: the autocast dtype, else x's."""
+    """The output dtype: the autocast dtype under autocast, else x's."""
     return autocast_dtype(x) or x.dtype
 
 
@@ -196,7 +194,8 @@ def _normalise(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
                                     backward_wanted(x, weight, bias), stream, rms)
         if out is not None:
             return out
-    out_dtype = _check(x, weight, bias, eps)
+    _check(x, weight, bias, eps)
+    out_dtype = _out_dtype(x)
     if x.numel() == 0:
         y = (eager.rms_norm(x, weight, eps) if rms
              else eager.layer_norm_gelu(x, weight, bias, eps, approximate) if approximate
@@ -241,7 +240,8 @@ def _add_normalise(x: Tensor, residual: Tensor, weight: Tensor | None, bias: Ten
             return out
     if residual is None:
         raise ValueError("residual must be a tensor; use layer_norm without one")
-    out_dtype = _check(x, weight, bias, eps, residual, x_bias)
+    _check(x, weight, bias, eps, residual, x_bias)
+    out_dtype = _out_dtype(x)
     if x.numel() == 0:
         y, s = (eager.add_rms_norm(x, residual, weight, eps) if rms
                 else eager.add_layer_norm(x, residual, weight, bias, eps, x_bias))
