@@ -56,6 +56,36 @@ def test_bf16_weight_gets_a_bf16_gradient():
     assert w.grad[1].eq(2).all() and w.grad[4].eq(1).all() and w.grad[0].eq(0).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tokens", [45, 150])  # fewer tokens than the 97 rows, and more
+def test_16bit_gradient_within_twice_the_eager_error(dtype, tokens):
+    """Hot rows (one id 20 times) and column tails, fp64 sums as the oracle: each id's
+    fp32 sum rounded once, as PyTorch's sorted backward rounds it."""
+    torch.manual_seed(0)
+    w = torch.randn(97, 300)
+    idx = torch.randint(0, 97, (tokens,))
+    idx[:20] = 5
+    g = torch.randn(tokens, 300)
+    oracle = torch.zeros(97, 300, dtype=F64).index_add_(0, idx, g.double())
+    errors = []
+    for fn in (ops.embedding, eager.embedding):
+        leaf = w.to(dtype).requires_grad_()
+        fn(idx, leaf).backward(g.to(dtype))
+        assert leaf.grad.dtype == dtype
+        errors.append((leaf.grad.double() - oracle).abs().max().item())
+    assert errors[0] <= 2 * errors[1] + 1e-6, errors
+
+
+def test_the_16bit_rows_kernel_skips_ids_outside_the_table():
+    from fusedtrain.kernels import embedding as K
+    idx = torch.tensor([2, -1, 2, 9, 0, 5])
+    dy = torch.arange(6 * 3, dtype=torch.float32).view(6, 3).to(torch.bfloat16)
+    dw = K.embedding_bwd_rows(idx, dy, 7)
+    keep = (idx >= 0) & (idx < 7)
+    ref = torch.zeros(7, 3).index_add_(0, idx[keep], dy[keep].float())
+    assert torch.equal(dw, ref.to(torch.bfloat16))
+
+
 def test_compile_fullgraph_matches_eager():
     w = torch.randn(10, 4, requires_grad=True)
     idx = torch.tensor([[1, 2, 1]])
@@ -239,6 +269,24 @@ def test_gpu_backward_at_gpt2_shape_and_deterministic_mode():
         assert torch.equal(grad(), grad())
     finally:
         torch.use_deterministic_algorithms(mode)
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_backward_at_gpt2_shape_within_twice_the_eager_error():
+    """The 16-bit path (16384 tokens, fewer than the 50304 rows) against PyTorch's sorted
+    backward, both measured from the fp64 sums."""
+    torch.manual_seed(0)
+    ranks = torch.arange(1, 50305, dtype=F64)
+    idx = torch.multinomial(1.0 / ranks, 16384, replacement=True).view(16, 1024).cuda()
+    g = torch.randn(16, 1024, 768, device="cuda").bfloat16()
+    ref = torch.ops.aten.embedding_dense_backward(g.view(-1, 768).double(), idx.view(-1),
+                                                  50304, -1, False)
+    errors = []
+    for fn in (ops.embedding, eager.embedding):
+        w = torch.zeros(50304, 768, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        fn(idx, w).backward(g)
+        errors.append((w.grad.double() - ref).abs().max().item())
+    assert errors[0] <= 2 * errors[1], errors
 
 
 @pytest.mark.gpu

@@ -330,6 +330,10 @@ PATHS = {
                   "of one dtype, each TMA-aligned (kernels/_tma.gluon_ok)",
     "_tma_kernel": "persistent GEMM loading through TMA: 16-bit TMA-aligned operands on "
                    "Hopper (kernels/_tma.tma_ok)",
+    "_rows_add_kernel": "an embedding's 16-bit gradient, fewer tokens than table rows: "
+                        "fp32 sums per distinct id, the table written once in 16 bits",
+    "_embedding_bwd_kernel": "atomic adds into an fp32 table: fp32/fp64 gradients, as "
+                             "many tokens as rows, or GPT's tied table",
     "_smem_kernel": "rows held in shared memory (Gluon): an sm_90 GPU, triton 3.6, "
                     "contiguous logits",
 }

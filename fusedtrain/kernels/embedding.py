@@ -5,6 +5,8 @@
                  sequences flattened, at positions p[n] = n % T, or at positions given,
                  as in packed documents)
   embedding_bwd  dW[idx[n]] += dy[n] (and dP[p[n]] += dy[n])
+  embedding_bwd_rows  dW in dy's 16-bit dtype, for fewer tokens than table rows: each
+                 distinct id's rows summed in fp32 in an (N, C) buffer, then written once
 
 A row id outside [0, V), or a position outside the position table, gives a row of NaN (as
 F.embedding would raise, but without a sync to check the ids) and adds no gradient (a
@@ -91,6 +93,48 @@ def _embedding_bwd_kernel(idx_ptr, pid_ptr, dy_ptr, dw_ptr, dpos_ptr, N, C, T, V
                       sem="relaxed")
 
 
+@fast_launch
+@triton.jit
+def _first_token_kernel(idx_ptr, first_ptr, N, V, BLOCK: tl.constexpr):
+    """first[v] = min(first[v], n) over the tokens n with id v: each id's first token."""
+    tokens = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    rows = tl.load(idx_ptr + tokens, mask=tokens < N, other=-1).to(tl.int64)
+    seen = (tokens < N) & (rows >= 0) & (rows < V)
+    tl.atomic_min(first_ptr + rows, tokens, mask=seen, sem="relaxed")
+
+
+@triton.jit
+def _first_tokens(idx_ptr, first_ptr, N, C, V, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    """_token_tile's values, and each token's id's first token (-1 for an invalid id)."""
+    tokens, rows, cols, mask, valid = _token_tile(idx_ptr, N, C, V, BLOCK_T, BLOCK_C)
+    seen = (tokens < N) & (rows >= 0) & (rows < V)
+    first = tl.load(first_ptr + rows, mask=seen, other=-1).to(tl.int64)
+    return tokens, rows, cols, valid, first
+
+
+@fast_launch
+@triton.jit
+def _rows_add_kernel(idx_ptr, first_ptr, dy_ptr, acc_ptr, N, C, V, s_dy,
+                     BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    """acc[first[idx[n]]] += dy[n] in fp32: one accumulator row per distinct id."""
+    tokens, rows, cols, valid, first = _first_tokens(idx_ptr, first_ptr, N, C, V, BLOCK_T,
+                                                     BLOCK_C)
+    g = tl.load(_rows_at(dy_ptr, tokens, s_dy, cols), mask=valid, other=0.0).to(tl.float32)
+    tl.atomic_add(_rows_at(acc_ptr, first, C, cols), g, mask=valid, sem="relaxed")
+
+
+@fast_launch
+@triton.jit
+def _rows_write_kernel(idx_ptr, first_ptr, acc_ptr, dw_ptr, N, C, V, s_dw,
+                       BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    """dW[idx[n]] = acc[n], rounded once, by each id's first token n."""
+    tokens, rows, cols, valid, first = _first_tokens(idx_ptr, first_ptr, N, C, V, BLOCK_T,
+                                                     BLOCK_C)
+    own = valid & (first == tokens)[:, None]
+    g = tl.load(_rows_at(acc_ptr, tokens, C, cols), mask=own, other=0.0)
+    tl.store(_rows_at(dw_ptr, rows, s_dw, cols), g.to(dw_ptr.dtype.element_ty), mask=own)
+
+
 def _grid(N: int, C: int) -> tuple[int, int]:
     return ceil_div(N, _BLOCK_T), ceil_div(C, _BLOCK_C)
 
@@ -139,3 +183,25 @@ def embedding_bwd(idx: torch.Tensor, dy: torch.Tensor, num_rows: int,
         POSITIONS=dpos is not None, POSITION_IDS=position_ids is not None,
         BLOCK_T=_BLOCK_T, BLOCK_C=_BLOCK_C, num_warps=_WARPS)
     return dw, dpos
+
+
+def embedding_bwd_rows(idx: torch.Tensor, dy: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """idx: (N,) row ids, dy: (N, C) fp16/bf16 -> dW: (num_rows, C) in dy's dtype, dy's rows
+    added at idx in fp32 and rounded once (none for an id outside [0, num_rows)). For N <
+    num_rows: it writes the table once in 16 bits where embedding_bwd's fp32 table and its
+    cast move 5x the bytes (GPT-2's 50304 x 768: 77 MB against 385 MB)."""
+    idx = idx.contiguous()
+    if dy.stride(-1) != 1:
+        dy = dy.contiguous()
+    N, C = dy.shape
+    first = torch.full((num_rows,), N, device=dy.device, dtype=torch.int32)
+    acc = torch.zeros((N, C), device=dy.device, dtype=torch.float32)
+    dw = torch.zeros((num_rows, C), device=dy.device, dtype=dy.dtype)
+    _first_token_kernel[(ceil_div(N, 1024),)](idx, first, N, num_rows, BLOCK=1024,
+                                              num_warps=4)
+    grid = _grid(N, C)
+    _rows_add_kernel[grid](idx, first, dy, acc, N, C, num_rows, dy.stride(0),
+                           BLOCK_T=_BLOCK_T, BLOCK_C=_BLOCK_C, num_warps=_WARPS)
+    _rows_write_kernel[grid](idx, first, acc, dw, N, C, num_rows, dw.stride(0),
+                             BLOCK_T=_BLOCK_T, BLOCK_C=_BLOCK_C, num_warps=_WARPS)
+    return dw

@@ -17,17 +17,19 @@ Tensor = torch.Tensor
 
 @launcher("embedding_bwd", traceable=True)
 def _embedding_bwd(idx: Tensor, dy: Tensor, num_rows: int) -> Tensor:
-    """dW (num_rows, C) in fp32 (fp64); PyTorch's sorted, reproducible backward under
-    torch.use_deterministic_algorithms(True)."""
+    """dW (num_rows, C) in dy's dtype, sums in fp32 (fp64): PyTorch's sorted, reproducible
+    backward under torch.use_deterministic_algorithms(True); for a 16-bit dy and fewer
+    tokens than rows, each id's sum rounded once into the table; else the fp32 table."""
     if torch.are_deterministic_algorithms_enabled():
-        return torch.ops.aten.embedding_dense_backward(dy, idx, num_rows, -1, False).to(
-            stat_dtype(dy))
-    return K.embedding_bwd(idx, dy, num_rows)[0]
+        return torch.ops.aten.embedding_dense_backward(dy, idx, num_rows, -1, False)
+    if dy.element_size() == 2 and idx.shape[0] < num_rows:
+        return K.embedding_bwd_rows(idx, dy, num_rows)
+    return K.embedding_bwd(idx, dy, num_rows)[0].to(dy.dtype)
 
 
 @_embedding_bwd.register_fake
 def _(idx, dy, num_rows):
-    return dy.new_empty((num_rows, dy.shape[1]), dtype=stat_dtype(dy))
+    return dy.new_empty((num_rows, dy.shape[1]))
 
 
 class EmbeddingFunction(torch.autograd.Function):
@@ -40,8 +42,7 @@ class EmbeddingFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: Tensor):
         (idx,) = ctx.saved_tensors
-        dw = _embedding_bwd(idx.reshape(-1), dy.reshape(-1, dy.shape[-1]), ctx.num_rows)
-        return None, dw.to(dy.dtype)
+        return None, _embedding_bwd(idx.reshape(-1), dy.reshape(-1, dy.shape[-1]), ctx.num_rows)
 
 
 _apply_embedding = function_apply(EmbeddingFunction)
