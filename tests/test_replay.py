@@ -40,6 +40,8 @@ CASES = {
     "add_rms_norm": (ops.add_rms_norm, lambda: _leaves((6, 40), (6, 40), (40,))),
     "embedding": (ops.embedding, lambda: [torch.randint(0, 30, (3, 9), device=DEVICE),
                                           *_leaves((30, 16))]),
+    "embedding_bf16": (ops.embedding, lambda: [torch.randint(0, 30, (3, 9), device=DEVICE),
+                                               *_leaves((30, 16), dtype=torch.bfloat16)]),
     "cross_entropy": (ops.cross_entropy, lambda: [*_leaves((12, 50)),
                                                   torch.randint(0, 50, (12,), device=DEVICE)]),
     "flash_attention": (ops.flash_attention, lambda: _leaves(*[(1, 2, 24, 16)] * 3)),
