@@ -5,6 +5,8 @@
                  sequences flattened, at positions p[n] = n % T, or at positions given,
                  as in packed documents)
   embedding_bwd  dW[idx[n]] += dy[n] (and dP[p[n]] += dy[n])
+  embedding_bwd_scan  dW in dy's dtype for up to SCAN_TOKENS tokens: each id's first token
+                 sums that id's rows in order (fp32) and writes them once; deterministic
   embedding_bwd_rows  dW in dy's 16-bit dtype, for fewer tokens than table rows: each
                  distinct id's rows summed in fp32 in an (N, C) buffer, then written once
 
@@ -26,12 +28,15 @@ import torch
 import triton
 import triton.language as tl
 
-from fusedtrain.kernels._device import ceil_div, stat_dtype
+from fusedtrain.kernels._device import acc_dtype, ceil_div, stat_dtype
 from fusedtrain.kernels._launch import fast_launch, stand_in
 
 # 16 tokens x 256 columns a program: 4K elements, 16 per thread at 8 warps (each with its
 # own 64-bit address).
 _BLOCK_T, _BLOCK_C, _WARPS = 16, 256, 8
+# embedding_bwd_scan's program reads the ids before its token, 128 at a time: at 2048 tokens
+# at most 16 blocks. PyTorch's own scan-free kernel covers up to 3072 indices.
+SCAN_TOKENS, _SCAN_BLOCK = 2048, 128
 
 
 @triton.jit
@@ -91,6 +96,33 @@ def _embedding_bwd_kernel(idx_ptr, pid_ptr, dy_ptr, dw_ptr, dpos_ptr, N, C, T, V
         positions, seated = _position_rows(pid_ptr, tokens, valid, N, T, P, POSITION_IDS)
         tl.atomic_add(_rows_at(dpos_ptr, positions, s_dpos, cols), g, mask=seated,
                       sem="relaxed")
+
+
+@fast_launch
+@triton.jit
+def _rows_scan_kernel(idx_ptr, dy_ptr, dw_ptr, N, C, V, s_dy, s_dw, ACC: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Program (n, column block): if token n is the first with its id, dW[idx[n]] = the sum,
+    in token order, of the rows of every token with that id."""
+    n = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    row = tl.load(idx_ptr + n).to(tl.int64)
+    if (row >= 0) & (row < V):
+        earlier = 0
+        for start in range(0, n, BLOCK_M):
+            m = start + tl.arange(0, BLOCK_M)
+            earlier += tl.sum((tl.load(idx_ptr + m, mask=m < n, other=-1) == row).to(tl.int32))
+        if earlier == 0:
+            total = tl.zeros((BLOCK_C,), ACC)
+            for start in range(n, N, BLOCK_M):
+                m = start + tl.arange(0, BLOCK_M)
+                same = tl.load(idx_ptr + m, mask=m < N, other=-1) == row
+                if tl.sum(same.to(tl.int32)) > 0:
+                    g = tl.load(_rows_at(dy_ptr, m.to(tl.int64), s_dy, cols),
+                                mask=same[:, None] & (cols < C)[None, :], other=0.0)
+                    total += tl.sum(g.to(ACC), axis=0)
+            tl.store(dw_ptr + row * s_dw + cols, total.to(dw_ptr.dtype.element_ty),
+                     mask=cols < C)
 
 
 @fast_launch
@@ -183,6 +215,21 @@ def embedding_bwd(idx: torch.Tensor, dy: torch.Tensor, num_rows: int,
         POSITIONS=dpos is not None, POSITION_IDS=position_ids is not None,
         BLOCK_T=_BLOCK_T, BLOCK_C=_BLOCK_C, num_warps=_WARPS)
     return dw, dpos
+
+
+def embedding_bwd_scan(idx: torch.Tensor, dy: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """idx: (N,) row ids, N <= SCAN_TOKENS, dy: (N, C) -> dW: (num_rows, C) in dy's dtype,
+    dy's rows added at idx in token order in fp32 (fp64) and rounded once (none for an id
+    outside [0, num_rows)): the same bits every run. One kernel after the table's zeros."""
+    idx = idx.contiguous()
+    if dy.stride(-1) != 1:
+        dy = dy.contiguous()
+    N, C = dy.shape
+    dw = torch.zeros((num_rows, C), device=dy.device, dtype=dy.dtype)
+    _rows_scan_kernel[(N, ceil_div(C, _BLOCK_C))](
+        idx, dy, dw, N, C, num_rows, dy.stride(0), dw.stride(0), ACC=acc_dtype(dy),
+        BLOCK_M=_SCAN_BLOCK, BLOCK_C=_BLOCK_C, num_warps=4)
+    return dw
 
 
 def embedding_bwd_rows(idx: torch.Tensor, dy: torch.Tensor, num_rows: int) -> torch.Tensor:
