@@ -510,6 +510,7 @@ Key forward_key(PyObject* args, std::vector<at::Tensor>& tensors) {
   ints.push_back(at::autocast::is_autocast_enabled(at::kCUDA));
   ints.push_back(static_cast<int64_t>(at::autocast::get_autocast_dtype(at::kCUDA)));
   ints.push_back(at::autocast::is_autocast_enabled(at::kCPU));
+  ints.push_back(static_cast<int64_t>(at::autocast::get_autocast_dtype(at::kCPU)));
   ints.push_back(at::globalContext().deterministicAlgorithms());
   size_t hash = 0;
   Py_ssize_t n = PyTuple_GET_SIZE(args);

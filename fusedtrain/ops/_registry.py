@@ -42,7 +42,8 @@ def backward_wanted(*tensors: torch.Tensor | None) -> bool:
 _C_APPLY = torch._C._FunctionBase.__dict__["apply"]
 
 
-def function_apply(fn: type[torch.autograd.Function]) -> Callable:
+def function_apply(fn: type[torch.autograd.Function], derived: tuple[int, ...] = ()
+                   ) -> Callable:
     """fn.apply, in plain eager execution replayed from one C++ autograd node per call
     signature recorded (ops/_replay.py), else without autograd.Function.apply's Python
     layer: 5 us of host time a call on the lent H200 host, 13.4 against 18.3 (binding
@@ -50,9 +51,13 @@ def function_apply(fn: type[torch.autograd.Function]) -> Callable:
     tensors that escaped a functorch transform after it ended; such a tensor then fails
     the kernels' data_ptr read with torch's own error). Under torch.compile and inside
     functorch transforms, fn.apply; under a dispatch mode or while another op is being
-    recorded, the Python Function."""
+    recorded, the Python Function.
+
+    `derived`: the positions of arguments that are functions of the rest of a replay's
+    key (dtypes, devices, requires_grad, grad mode, autocast), such as an output dtype:
+    left out of the key, so that `hit` need not compute them (None there)."""
     direct = _C_APPLY.__get__(None, fn)
-    replayed = Replayed(fn, direct)
+    replayed = Replayed(fn, direct, derived)
 
     def apply(*args):
         if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():

@@ -379,8 +379,9 @@ class Replayed:
     """fn's apply (fn: an autograd.Function of fusedtrain.ops), replayed from C++ for
     each call signature recorded; `direct` is fn's C apply."""
 
-    def __init__(self, fn: type[torch.autograd.Function], direct: Callable):
-        self.fn, self.direct = fn, direct
+    def __init__(self, fn: type[torch.autograd.Function], direct: Callable,
+                 derived: tuple[int, ...] = ()):
+        self.fn, self.direct, self.derived = fn, direct, frozenset(derived)
         self.index: int | None = None  # the op in replay.cpp, on the first call
         self._logged: set[str] = set()
         self._recording_apply()
@@ -425,19 +426,22 @@ class Replayed:
         native_ops = self._ready()
         if native_ops is None:
             return self.direct(*args)
-        out = native_ops.apply(self.index, args)
+        key = (tuple(None if i in self.derived else a for i, a in enumerate(args))
+               if self.derived else args)
+        out = native_ops.apply(self.index, key)
         if out is None:
-            return self._record(args)
+            return self._record(args, key)
         return self.direct(*args) if out is NotImplemented else out
 
     def hit(self, args: tuple):
         """The replayed outputs where args' signature is recorded and replayable, else
-        None; never records."""
+        None; never records. args hold None at the derived positions."""
         native_ops = self._ready()
         out = None if native_ops is None else native_ops.apply(self.index, args)
         return None if out is None or out is NotImplemented else out
 
-    def _record(self, args: tuple):
+    def _record(self, args: tuple, key: tuple):
+        """Run fn on args, recording it; its record is stored under `key`'s signature."""
         inputs = [a if isinstance(a, torch.Tensor) else None for a in args]
         self._active = Recorder(inputs)
         self._saved, self._attrs, self._raw = (), {}, None
@@ -451,11 +455,11 @@ class Replayed:
                 if not _plain(self._attrs):
                     raise NotRecordableError("its ctx holds a tensor")
                 needs = tuple(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
-                self._native.store(self.index, args, (record, saved), False,
+                self._native.store(self.index, key, (record, saved), False,
                                    (self.fn, self._attrs, needs), isinstance(raw, torch.Tensor))
                 self._log("forward", args, None)
             except NotRecordableError as e:
-                self._native.store(self.index, args, None, e.final, None, False)
+                self._native.store(self.index, key, None, e.final, None, False)
                 self._log("forward", args, e)
         finally:
             self._active, self._raw, self._saved = None, None, ()

@@ -147,8 +147,10 @@ class AddLayerNormFunction(torch.autograd.Function):
         return (dx, dres, *_param_grads(sums, weight, bias), None, None, None, dxb, None)
 
 
-_apply_layer_norm = function_apply(LayerNormFunction)
-_apply_add_layer_norm = function_apply(AddLayerNormFunction)
+# out_dtype and backward_wanted follow from a replay's key (autocast, dtypes, grad mode,
+# requires_grad): a replayed call does not compute them.
+_apply_layer_norm = function_apply(LayerNormFunction, derived=(5, 6))
+_apply_add_layer_norm = function_apply(AddLayerNormFunction, derived=(5, 6))
 
 
 def _check(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float,
@@ -190,8 +192,7 @@ def _normalise(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
     with `stream` also x; an empty x through the eager twin. A replayed signature skips
     the checks (function_apply's `hit`)."""
     if isinstance(x, Tensor):
-        out = _apply_layer_norm.hit(x, weight, bias, eps, approximate, _out_dtype(x),
-                                    backward_wanted(x, weight, bias), stream, rms)
+        out = _apply_layer_norm.hit(x, weight, bias, eps, approximate, None, None, stream, rms)
         if out is not None:
             return out
     _check(x, weight, bias, eps)
@@ -233,9 +234,8 @@ def _add_normalise(x: Tensor, residual: Tensor, weight: Tensor | None, bias: Ten
     """AddLayerNormFunction on checked inputs (RMSNorm with `rms`); an empty x through the
     eager twin. A replayed signature skips the checks."""
     if isinstance(x, Tensor):
-        out = _apply_add_layer_norm.hit(
-            x, residual, weight, bias, eps, _out_dtype(x),
-            backward_wanted(x, residual, weight, bias, x_bias), x_bias, rms)
+        out = _apply_add_layer_norm.hit(x, residual, weight, bias, eps, None, None, x_bias,
+                                        rms)
         if out is not None:
             return out
     if residual is None:
