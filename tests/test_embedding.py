@@ -122,7 +122,13 @@ def test_compile_fullgraph_matches_eager():
 
 
 def test_bad_inputs():
-    w = torch.randn(5, 3)
+    w = torch.randn(5, 3, requires_grad=True)
+    for _ in range(4):  # a recorded signature (replayed, unchecked) beside the bad ones
+        ops.embedding(torch.tensor([1, 2]), w).sum().backward()
+    with pytest.raises(IndexError, match="out of range"):
+        ops.embedding(torch.tensor([1, 9]), w)
+    with pytest.raises(TypeError, match="idx"):
+        ops.embedding([1, 2], w)
     with pytest.raises(TypeError, match="idx"):
         ops.embedding(torch.zeros(2), w)
     with pytest.raises(ValueError, match="weight"):
