@@ -507,10 +507,13 @@ Key forward_key(PyObject* args, std::vector<at::Tensor>& tensors) {
   Key k;
   auto& ints = k.ints;
   ints.push_back(c10::GradMode::is_enabled());
-  ints.push_back(at::autocast::is_autocast_enabled(at::kCUDA));
-  ints.push_back(static_cast<int64_t>(at::autocast::get_autocast_dtype(at::kCUDA)));
-  ints.push_back(at::autocast::is_autocast_enabled(at::kCPU));
-  ints.push_back(static_cast<int64_t>(at::autocast::get_autocast_dtype(at::kCPU)));
+  // An autocast dtype matters only while its autocast is on (`torch.autocast(enabled=False)`
+  // still sets it): -1 otherwise.
+  for (auto device : {at::kCUDA, at::kCPU}) {
+    ints.push_back(at::autocast::is_autocast_enabled(device)
+                       ? static_cast<int64_t>(at::autocast::get_autocast_dtype(device))
+                       : -1);
+  }
   ints.push_back(at::globalContext().deterministicAlgorithms());
   size_t hash = 0;
   Py_ssize_t n = PyTuple_GET_SIZE(args);
