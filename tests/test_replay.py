@@ -156,6 +156,36 @@ def test_a_replayed_signature_skips_the_checks_and_bad_neighbours_still_raise(mo
         ops.add_layer_norm(x, None, w, b)
 
 
+def test_a_replayed_linear_skips_the_checks_and_autocasts_cast(monkeypatch):
+    """linear replays a recorded signature before validating; under autocast an fp32 x
+    misses the bf16 x's record and is cast, and a bad neighbour still raises."""
+    import importlib
+
+    linear_module = importlib.import_module("fusedtrain.ops.linear")  # (ops.linear: the op)
+    x, w, b = _leaves((4, 24), (8, 24), (8,))
+    dev = x.device.type
+    for _ in range(4):
+        ops.linear(x, w, b)
+        with torch.autocast(dev, dtype=torch.bfloat16):
+            ops.linear(x, w, b)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("checked")
+
+    with monkeypatch.context() as m:
+        m.setattr(linear_module, "check_linear", refuse)
+        assert _replayed_node(ops.linear(x, w, b))
+        with torch.autocast(dev, dtype=torch.bfloat16):
+            with pytest.raises(AssertionError, match="checked"):
+                ops.linear(x, w, b)  # fp32 x: its cast's record is keyed on the bf16 x
+            y = ops.linear(x.detach().bfloat16().requires_grad_(), w, b)
+        assert y.dtype == torch.bfloat16 and _replayed_node(y)
+    with pytest.raises(ValueError, match="weight"):
+        ops.linear(x, w[:, :23], b)
+    with pytest.raises(TypeError, match="weight"):
+        ops.linear(x, [[1.0] * 24] * 8, b)
+
+
 def test_a_new_layout_is_recorded_of_its_own():
     """Strides and 16-byte alignment are part of the signature: an offset view of the same
     shape gets its own record, and computes what the Python Function does."""

@@ -56,11 +56,18 @@ class LinearFunction(torch.autograd.Function):
         return dx, dw, db, None
 
 
-_apply_linear = function_apply(LinearFunction)
+# compute_dtype follows from a replay's key (autocast, the dtypes): a replayed call does
+# not compute it.
+_apply_linear = function_apply(LinearFunction, derived=(3,))
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """x: (..., K), weight: (N, K), bias: (N,) -> x @ weight.T + bias: (..., N)."""
+    """x: (..., K), weight: (N, K), bias: (N,) -> x @ weight.T + bias: (..., N). A replayed
+    signature skips the checks and autocast's cast of x: its record's call passed them, and
+    an x that keys it is already in the autocast dtype."""
+    out = _apply_linear.hit(x, weight, bias, None)
+    if out is not None:
+        return out
     check_tensor("x", x, min_ndim=1)
     x, compute_dtype = autocast_params(x, weight, bias)
     check_linear(x, weight, bias, "weight", "bias", x.shape[-1], same_dtype=compute_dtype is None)
