@@ -330,8 +330,8 @@ PATHS = {
                   "of one dtype, each TMA-aligned (kernels/_tma.gluon_ok)",
     "_tma_kernel": "persistent GEMM loading through TMA: 16-bit TMA-aligned operands on "
                    "Hopper (kernels/_tma.tma_ok)",
-    "_rows_scan_kernel": "an embedding's gradient from at most 2048 tokens: each id's "
-                         "rows summed in order by its first token, no atomics",
+    "_table_sweep_kernel": "an embedding's gradient from at most 2048 tokens: one sweep "
+                           "of the table, zeros and sums, no atomics",
     "_rows_add_kernel": "an embedding's 16-bit gradient, fewer tokens than table rows: "
                         "fp32 sums per distinct id, the table written once in 16 bits",
     "_embedding_bwd_kernel": "atomic adds into an fp32 table: fp32/fp64 gradients, as "

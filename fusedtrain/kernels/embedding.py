@@ -5,8 +5,9 @@
                  sequences flattened, at positions p[n] = n % T, or at positions given,
                  as in packed documents)
   embedding_bwd  dW[idx[n]] += dy[n] (and dP[p[n]] += dy[n])
-  embedding_bwd_scan  dW in dy's dtype for up to SCAN_TOKENS tokens: each id's first token
-                 sums that id's rows in order (fp32) and writes them once; deterministic
+  embedding_bwd_sweep  dW in dy's dtype for up to SWEEP_TOKENS tokens: one kernel over the
+                 table, each block of rows summing its tokens' rows (fp32) and writing
+                 zeros elsewhere; deterministic
   embedding_bwd_rows  dW in dy's 16-bit dtype, for fewer tokens than table rows: each
                  distinct id's rows summed in fp32 in an (N, C) buffer, then written once
 
@@ -28,15 +29,16 @@ import torch
 import triton
 import triton.language as tl
 
-from fusedtrain.kernels._device import acc_dtype, ceil_div, stat_dtype
+from fusedtrain.kernels._device import acc_dtype, ceil_div, dot_precision, stat_dtype
 from fusedtrain.kernels._launch import fast_launch, stand_in
 
 # 16 tokens x 256 columns a program: 4K elements, 16 per thread at 8 warps (each with its
 # own 64-bit address).
 _BLOCK_T, _BLOCK_C, _WARPS = 16, 256, 8
-# embedding_bwd_scan's program reads the ids before its token, 128 at a time: at 2048 tokens
-# at most 16 blocks. PyTorch's own scan-free kernel covers up to 3072 indices.
-SCAN_TOKENS, _SCAN_BLOCK = 2048, 128
+# embedding_bwd_sweep: a program per 16 table rows reads every id, 32 at a time (at 2048
+# tokens 64 blocks; 3144 x 3 programs for GPT-2's table). PyTorch's own sort-free kernel
+# covers up to 3072 indices.
+SWEEP_TOKENS, _SWEEP_ROWS, _SWEEP_BLOCK = 2048, 16, 32
 
 
 @triton.jit
@@ -100,29 +102,29 @@ def _embedding_bwd_kernel(idx_ptr, pid_ptr, dy_ptr, dw_ptr, dpos_ptr, N, C, T, V
 
 @fast_launch
 @triton.jit
-def _rows_scan_kernel(idx_ptr, dy_ptr, dw_ptr, N, C, V, s_dy, s_dw, ACC: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Program (n, column block): if token n is the first with its id, dW[idx[n]] = the sum,
-    in token order, of the rows of every token with that id."""
-    n = tl.program_id(0)
+def _table_sweep_kernel(idx_ptr, dy_ptr, dw_ptr, N, C, V, s_dy, s_dw, ACC: tl.constexpr,
+                        PRECISION: tl.constexpr, BLOCK_R: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Program (row block, column block) of dW: for each block of tokens with an id among
+    its rows, the rows' sums as one-hot(ids) @ dy (exact products, ACC sums, in token-block
+    order); zeros where no token points."""
+    r0 = tl.program_id(0) * BLOCK_R
+    rows = r0 + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    row = tl.load(idx_ptr + n).to(tl.int64)
-    if (row >= 0) & (row < V):
-        earlier = 0
-        for start in range(0, n, BLOCK_M):
-            m = start + tl.arange(0, BLOCK_M)
-            earlier += tl.sum((tl.load(idx_ptr + m, mask=m < n, other=-1) == row).to(tl.int32))
-        if earlier == 0:
-            total = tl.zeros((BLOCK_C,), ACC)
-            for start in range(n, N, BLOCK_M):
-                m = start + tl.arange(0, BLOCK_M)
-                same = tl.load(idx_ptr + m, mask=m < N, other=-1) == row
-                if tl.sum(same.to(tl.int32)) > 0:
-                    g = tl.load(_rows_at(dy_ptr, m.to(tl.int64), s_dy, cols),
-                                mask=same[:, None] & (cols < C)[None, :], other=0.0)
-                    total += tl.sum(g.to(ACC), axis=0)
-            tl.store(dw_ptr + row * s_dw + cols, total.to(dw_ptr.dtype.element_ty),
-                     mask=cols < C)
+    total = tl.zeros((BLOCK_R, BLOCK_C), ACC)
+    for start in range(0, N, BLOCK_M):
+        m = start + tl.arange(0, BLOCK_M)
+        local = tl.load(idx_ptr + m, mask=m < N, other=-1).to(tl.int64) - r0
+        inside = (local >= 0) & (local < BLOCK_R) & (r0 + local < V)
+        if tl.sum(inside.to(tl.int32)) > 0:
+            g = tl.load(_rows_at(dy_ptr, m.to(tl.int64), s_dy, cols),
+                        mask=inside[:, None] & (cols < C)[None, :], other=0.0)
+            # through fp32: the interpreter casts a bool to bf16 as the bit pattern 1
+            one_hot = (tl.arange(0, BLOCK_R)[:, None] == local[None, :]).to(tl.float32)
+            one_hot = one_hot.to(g.dtype)
+            total += tl.dot(one_hot, g, input_precision=PRECISION, out_dtype=ACC)
+    tl.store(_rows_at(dw_ptr, rows.to(tl.int64), s_dw, cols),
+             total.to(dw_ptr.dtype.element_ty), mask=(rows < V)[:, None] & (cols < C)[None, :])
 
 
 @fast_launch
@@ -217,18 +219,20 @@ def embedding_bwd(idx: torch.Tensor, dy: torch.Tensor, num_rows: int,
     return dw, dpos
 
 
-def embedding_bwd_scan(idx: torch.Tensor, dy: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """idx: (N,) row ids, N <= SCAN_TOKENS, dy: (N, C) -> dW: (num_rows, C) in dy's dtype,
-    dy's rows added at idx in token order in fp32 (fp64) and rounded once (none for an id
-    outside [0, num_rows)): the same bits every run. One kernel after the table's zeros."""
+def embedding_bwd_sweep(idx: torch.Tensor, dy: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """idx: (N,) row ids, N <= SWEEP_TOKENS, dy: (N, C) -> dW: (num_rows, C) in dy's dtype,
+    dy's rows added at idx, summed in fp32 (fp64) and rounded once (none for an id outside
+    [0, num_rows)): the same bits every run. One kernel writes the whole table, zeros and
+    sums: no memset before it."""
     idx = idx.contiguous()
     if dy.stride(-1) != 1:
         dy = dy.contiguous()
     N, C = dy.shape
-    dw = torch.zeros((num_rows, C), device=dy.device, dtype=dy.dtype)
-    _rows_scan_kernel[(N, ceil_div(C, _BLOCK_C))](
+    dw = torch.empty((num_rows, C), device=dy.device, dtype=dy.dtype)
+    _table_sweep_kernel[(ceil_div(num_rows, _SWEEP_ROWS), ceil_div(C, _BLOCK_C))](
         idx, dy, dw, N, C, num_rows, dy.stride(0), dw.stride(0), ACC=acc_dtype(dy),
-        BLOCK_M=_SCAN_BLOCK, BLOCK_C=_BLOCK_C, num_warps=4)
+        PRECISION=dot_precision(dy), BLOCK_R=_SWEEP_ROWS, BLOCK_M=_SWEEP_BLOCK,
+        BLOCK_C=_BLOCK_C, num_warps=4)
     return dw
 
 

@@ -17,13 +17,13 @@ Tensor = torch.Tensor
 
 @launcher("embedding_bwd", traceable=True)
 def _embedding_bwd(idx: Tensor, dy: Tensor, num_rows: int) -> Tensor:
-    """dW (num_rows, C) in dy's dtype, sums in fp32 (fp64). Up to K.SCAN_TOKENS tokens, the
-    ordered scan (deterministic; 2 kernels, as PyTorch's at this size); beyond, PyTorch's
+    """dW (num_rows, C) in dy's dtype, sums in fp32 (fp64). Up to K.SWEEP_TOKENS tokens, one
+    sweep of the table (deterministic; 1 kernel, PyTorch's 2 at this size); beyond, PyTorch's
     sorted, reproducible backward under torch.use_deterministic_algorithms(True); for a
     16-bit dy and fewer tokens than rows, each id's sum rounded once into the table; else
     atomic adds into the fp32 table."""
-    if idx.shape[0] <= K.SCAN_TOKENS:
-        return K.embedding_bwd_scan(idx, dy, num_rows)
+    if idx.shape[0] <= K.SWEEP_TOKENS:
+        return K.embedding_bwd_sweep(idx, dy, num_rows)
     if torch.are_deterministic_algorithms_enabled():
         return torch.ops.aten.embedding_dense_backward(dy, idx, num_rows, -1, False)
     if dy.element_size() == 2 and idx.shape[0] < num_rows:
