@@ -332,8 +332,8 @@ PATHS = {
                    "Hopper (kernels/_tma.tma_ok)",
     "_table_sweep_kernel": "an embedding's gradient from at most 2048 tokens: one sweep "
                            "of the table, zeros and sums, no atomics",
-    "_rows_add_kernel": "an embedding's 16-bit gradient, fewer tokens than table rows: "
-                        "fp32 sums per distinct id, the table written once in 16 bits",
+    "_rows_kernel": "an embedding's 16-bit gradient, 2049 tokens to fewer than table rows: "
+                    "fp32 sums per distinct id, the table written once in 16 bits",
     "_embedding_bwd_kernel": "atomic adds into an fp32 table: fp32/fp64 gradients, as "
                              "many tokens as rows, or GPT's tied table",
     "_smem_kernel": "rows held in shared memory (Gluon): an sm_90 GPU, triton 3.6, "

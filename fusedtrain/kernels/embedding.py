@@ -137,36 +137,25 @@ def _first_token_kernel(idx_ptr, first_ptr, N, V, BLOCK: tl.constexpr):
     tl.atomic_min(first_ptr + rows, tokens, mask=seen, sem="relaxed")
 
 
+@fast_launch
 @triton.jit
-def _first_tokens(idx_ptr, first_ptr, N, C, V, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
-    """_token_tile's values, and each token's id's first token (-1 for an invalid id)."""
-    tokens, rows, cols, mask, valid = _token_tile(idx_ptr, N, C, V, BLOCK_T, BLOCK_C)
+def _rows_kernel(idx_ptr, first_ptr, src_ptr, dst_ptr, N, C, V, s_src, s_dst,
+                 WRITE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Not WRITE: acc[first[idx[n]]] += dy[n] in fp32 (src dy, dst acc: one accumulator
+    row per distinct id). WRITE: dW[idx[n]] = acc[n], rounded once, by each id's first
+    token n (src acc, dst dW)."""
+    tokens, rows, cols, _, valid = _token_tile(idx_ptr, N, C, V, BLOCK_T, BLOCK_C)
     seen = (tokens < N) & (rows >= 0) & (rows < V)
     first = tl.load(first_ptr + rows, mask=seen, other=-1).to(tl.int64)
-    return tokens, rows, cols, valid, first
-
-
-@fast_launch
-@triton.jit
-def _rows_add_kernel(idx_ptr, first_ptr, dy_ptr, acc_ptr, N, C, V, s_dy,
-                     BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
-    """acc[first[idx[n]]] += dy[n] in fp32: one accumulator row per distinct id."""
-    tokens, rows, cols, valid, first = _first_tokens(idx_ptr, first_ptr, N, C, V, BLOCK_T,
-                                                     BLOCK_C)
-    g = tl.load(_rows_at(dy_ptr, tokens, s_dy, cols), mask=valid, other=0.0).to(tl.float32)
-    tl.atomic_add(_rows_at(acc_ptr, first, C, cols), g, mask=valid, sem="relaxed")
-
-
-@fast_launch
-@triton.jit
-def _rows_write_kernel(idx_ptr, first_ptr, acc_ptr, dw_ptr, N, C, V, s_dw,
-                       BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
-    """dW[idx[n]] = acc[n], rounded once, by each id's first token n."""
-    tokens, rows, cols, valid, first = _first_tokens(idx_ptr, first_ptr, N, C, V, BLOCK_T,
-                                                     BLOCK_C)
-    own = valid & (first == tokens)[:, None]
-    g = tl.load(_rows_at(acc_ptr, tokens, C, cols), mask=own, other=0.0)
-    tl.store(_rows_at(dw_ptr, rows, s_dw, cols), g.to(dw_ptr.dtype.element_ty), mask=own)
+    if WRITE:
+        own = valid & (first == tokens)[:, None]
+        g = tl.load(_rows_at(src_ptr, tokens, s_src, cols), mask=own, other=0.0)
+        tl.store(_rows_at(dst_ptr, rows, s_dst, cols), g.to(dst_ptr.dtype.element_ty),
+                 mask=own)
+    else:
+        g = tl.load(_rows_at(src_ptr, tokens, s_src, cols), mask=valid, other=0.0)
+        tl.atomic_add(_rows_at(dst_ptr, first, s_dst, cols), g.to(tl.float32), mask=valid,
+                      sem="relaxed")
 
 
 def _grid(N: int, C: int) -> tuple[int, int]:
@@ -251,8 +240,8 @@ def embedding_bwd_rows(idx: torch.Tensor, dy: torch.Tensor, num_rows: int) -> to
     _first_token_kernel[(ceil_div(N, 1024),)](idx, first, N, num_rows, BLOCK=1024,
                                               num_warps=4)
     grid = _grid(N, C)
-    _rows_add_kernel[grid](idx, first, dy, acc, N, C, num_rows, dy.stride(0),
-                           BLOCK_T=_BLOCK_T, BLOCK_C=_BLOCK_C, num_warps=_WARPS)
-    _rows_write_kernel[grid](idx, first, acc, dw, N, C, num_rows, dw.stride(0),
-                             BLOCK_T=_BLOCK_T, BLOCK_C=_BLOCK_C, num_warps=_WARPS)
+    _rows_kernel[grid](idx, first, dy, acc, N, C, num_rows, dy.stride(0), C, WRITE=False,
+                       BLOCK_T=_BLOCK_T, BLOCK_C=_BLOCK_C, num_warps=_WARPS)
+    _rows_kernel[grid](idx, first, acc, dw, N, C, num_rows, C, dw.stride(0), WRITE=True,
+                       BLOCK_T=_BLOCK_T, BLOCK_C=_BLOCK_C, num_warps=_WARPS)
     return dw
