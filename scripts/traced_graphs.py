@@ -106,7 +106,13 @@ CASES = {
     "scaled": (CE._scaled, lambda: (_t(256, 768), _t(1, dtype=F32)), _NONE),
     "rope": (ROPE._rope, lambda: (_t(4, 12, 64, 64), 10000.0, _ids(4, 64, high=64), False),
              _NONE),
-    "embedding_bwd": (EMB._embedding_bwd, lambda: (_ids(256), _t(256, 768), 1000), _IDS),
+    # up to 2048 tokens the table sweep, which stores at its own rows; beyond, the per-id
+    # rows of a 16-bit gradient (fewer tokens than rows) or the atomic fp32 table
+    "embedding_bwd": (EMB._embedding_bwd, lambda: (_ids(256), _t(256, 768), 1000), _NONE),
+    "embedding_bwd_rows": (EMB._embedding_bwd, lambda: (
+        _ids(4096, high=8192), _t(4096, 768), 8192), _IDS),
+    "embedding_bwd_table": (EMB._embedding_bwd, lambda: (_ids(4096), _t(4096, 768), 1000),
+                            _IDS),
     "gpt_embedding_fwd": (EMB._gpt_embedding_fwd, lambda: (
         _ids(4, 64), _t(1000, 768, dtype=F32), _t(64, 768, dtype=F32), None), _IDS),
     "gpt_embedding_bwd": (EMB._gpt_embedding_bwd, lambda: (

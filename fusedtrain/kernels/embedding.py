@@ -31,6 +31,7 @@ import triton.language as tl
 
 from fusedtrain.kernels._device import acc_dtype, ceil_div, dot_precision, stat_dtype
 from fusedtrain.kernels._launch import fast_launch, stand_in
+from fusedtrain.kernels._primitives import row_sum
 
 # 16 tokens x 256 columns a program: 4K elements, 16 per thread at 8 warps (each with its
 # own 64-bit address).
@@ -111,12 +112,12 @@ def _table_sweep_kernel(idx_ptr, dy_ptr, dw_ptr, N, C, V, s_dy, s_dw, ACC: tl.co
     r0 = tl.program_id(0) * BLOCK_R
     rows = r0 + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    total = tl.zeros((BLOCK_R, BLOCK_C), ACC)
+    total = tl.full((BLOCK_R, BLOCK_C), 0.0, ACC)
     for start in range(0, N, BLOCK_M):
         m = start + tl.arange(0, BLOCK_M)
         local = tl.load(idx_ptr + m, mask=m < N, other=-1).to(tl.int64) - r0
         inside = (local >= 0) & (local < BLOCK_R) & (r0 + local < V)
-        if tl.sum(inside.to(tl.int32)) > 0:
+        if row_sum(inside.to(tl.int32), 0) > 0:
             g = tl.load(_rows_at(dy_ptr, m.to(tl.int64), s_dy, cols),
                         mask=inside[:, None] & (cols < C)[None, :], other=0.0)
             # through fp32: the interpreter casts a bool to bf16 as the bit pattern 1

@@ -1,6 +1,6 @@
-"""Embedding lookups whose backward is the atomic scatter-add kernel: `embedding`
-(weight[idx]) and `gpt_embedding`, GPT's input (token plus position rows, one pass) with
-its tied output head's gradient gathered in the same backward."""
+"""Embedding lookups with Triton backwards: `embedding` (weight[idx]), whose gradient
+_embedding_bwd builds, and `gpt_embedding`, GPT's input (token plus position rows, one
+pass) with its tied output head's gradient gathered in the same backward."""
 
 from __future__ import annotations
 
