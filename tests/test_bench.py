@@ -220,21 +220,26 @@ def test_bench_host_names_only_the_unknown_ops(monkeypatch, tmp_path, capsys):
 def test_host_table_and_chart_pair_each_op_with_its_twin(tmp_path):
     """bench.py host's summary: per op and shape the fused and eager plain-loop times,
     their ratio, the Python Function's ratio (replay off), the ratio with the backward on
-    one thread, the kernels per call; the chart is written."""
+    one thread and of that call's forward and backward halves, the kernels per call; the
+    chart is written."""
     from fusedtrain.bench import host
 
     rows = [{"op": "layer_norm", "shape": s, "variant": v, "plain_us": us, "plain_st_us": st,
-             "gpu_us": g, "kernels": k}
-            for s, v, us, st, g, k in (("tiny", "fused", 90.0, 60.0, 11.0, 3),
-                                       ("tiny", "python", 240.0, 80.0, 11.0, 3),
-                                       ("tiny", "eager", 120.0, 50.0, 9.0, 3),
-                                       ("gpt2", "fused", 130.0, 100.0, 48.0, 3),
-                                       ("gpt2", "eager", 170.0, 150.0, 90.0, 3))]
+             "forward_us": fwd, "gpu_us": g, "kernels": k}
+            for s, v, us, st, fwd, g, k in (("tiny", "fused", 90.0, 60.0, 15.0, 11.0, 3),
+                                            ("tiny", "python", 240.0, 80.0, 30.0, 11.0, 3),
+                                            ("tiny", "eager", 120.0, 50.0, 20.0, 9.0, 3),
+                                            ("gpt2", "fused", 130.0, 100.0, 0, 48.0, 3),
+                                            ("gpt2", "eager", 170.0, 150.0, 0, 90.0, 3))]
+    for row in rows[3:]:  # rows measured before the forward alone was
+        del row["forward_us"]
     table = host.host_table(rows).splitlines()
     assert len(table) == 3
-    assert table[1].split()[:7] == ["layer_norm", "tiny", "90.0", "120.0", "0.75", "2.00",
-                                    "1.20"]
+    # forward 15 / 20, backward (60 - 15) / (50 - 20)
+    assert table[1].split()[:9] == ["layer_norm", "tiny", "90.0", "120.0", "0.75", "2.00",
+                                    "1.20", "0.75", "1.50"]
     assert table[2].split()[5] == "nan"  # no python row at that shape
+    assert table[2].split()[7:9] == ["nan", "nan"]
     host.plot_host(rows, tmp_path / "host.png", "title")
     assert (tmp_path / "host.png").stat().st_size > 0
 

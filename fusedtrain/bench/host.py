@@ -4,7 +4,8 @@ Per op and shape, in one process, bf16 on the GPU: the plain-loop time of one fo
 backward (host and GPU together, as a user's loop runs it: `torch.autograd.grad` with
 autograd's default threads), which at the tiny shape, where the GPU idles, is the host's
 cost; the same with the backward on the calling thread (what autograd's hand-over to its
-device thread adds is the difference); the GPU time of the same call replayed as a CUDA
+device thread adds is the difference) and that call's forward alone (the backward is
+the rest); the GPU time of the same call replayed as a CUDA
 graph; and which kernels one call launches (torch.profiler's CUDA kernel events, by name).
 Three variants: "fused" (the op as a user calls it: replayed from a C++ node once its
 call signature is recorded, ops/_replay.py), "python" (the same op on its Python
@@ -162,6 +163,15 @@ def _python_function(fn: Callable) -> Callable:
     return call
 
 
+def _forward_only(fn: Callable, inputs: list) -> Callable[[], None]:
+    """fn(*inputs) with its autograd graph built and dropped: a call's forward half."""
+
+    def fwd():
+        fn(*inputs)
+
+    return fwd
+
+
 def _single_threaded(run: Callable[[], None]) -> Callable[[], None]:
     """run with autograd's backward on the calling thread."""
 
@@ -174,7 +184,8 @@ def _single_threaded(run: Callable[[], None]) -> Callable[[], None]:
 
 def run_host(shapes: list[str], op_names: list[str] | None, calls: int,
              save: Callable[[list[dict]], None] = lambda rows: None) -> list[dict]:
-    """One row per (op, shape, variant): plain_us, plain_st_us, gpu_us, kernels; `save(rows)`
+    """One row per (op, shape, variant): plain_us, plain_st_us, forward_us, gpu_us, kernels;
+    `save(rows)`
     after each figure, so an interrupted run keeps what it measured. Every plain loop runs
     before any graph is captured: plain loops timed after captures in the same process ran
     up to 2.4x slower on an H200 (docs/journal.md)."""
@@ -190,23 +201,26 @@ def run_host(shapes: list[str], op_names: list[str] | None, calls: int,
             loops = {}
             variants = (("fused", fused), ("python", _python_function(fused)), ("eager", twin))
             for variant, fn in variants:
-                run = fwd_bwd(fn, _fresh(inputs), _output_grads(fn, inputs))
+                leaves = _fresh(inputs)
+                run = fwd_bwd(fn, leaves, _output_grads(fn, inputs))
                 loops[variant] = run
                 loops[variant + "/st"] = _single_threaded(run)
+                loops[variant + "/fwd"] = _forward_only(fn, leaves)
             timed = _interleaved_us(loops, 2 * n)
             for variant, fn in variants:
                 grads = _output_grads(fn, inputs)
                 row = {"op": name, "shape": shape, "B": B, "T": T, "C": WIDTH,
                        "variant": variant, "plain_us": timed[variant],
                        "plain_st_us": timed[variant + "/st"],
+                       "forward_us": timed[variant + "/fwd"],
                        "kernel_names": kernels_of_a_call(fwd_bwd(fn, _fresh(inputs), grads))}
                 row["kernels"] = len(row["kernel_names"])
                 rows.append(row)
                 save(rows)
                 runs.append(fwd_bwd(fn, _fresh(inputs), grads))
                 print(f"{name:22s} {shape:5s} {variant:6s} plain {row['plain_us']:8.1f} us  "
-                      f"one thread {row['plain_st_us']:8.1f} us  kernels {row['kernels']}",
-                      flush=True)
+                      f"one thread {row['plain_st_us']:8.1f} us  forward "
+                      f"{row['forward_us']:8.1f} us  kernels {row['kernels']}", flush=True)
     for row, run in zip(rows, runs):
         row["gpu_us"] = graph_us(run)
         save(rows)
@@ -215,20 +229,30 @@ def run_host(shapes: list[str], op_names: list[str] | None, calls: int,
     return rows
 
 
+def _halves(row: dict) -> tuple[float, float]:
+    """(forward, backward) us of a row's one-thread call: the forward timed alone, the
+    backward the rest; NaN for rows measured before the forward was."""
+    fwd = row.get("forward_us", float("nan"))
+    return fwd, row["plain_st_us"] - fwd
+
+
 def host_table(rows: list[dict]) -> str:
     """Per op and shape: plain-loop and GPU us, fused and eager, and fused / eager (also
-    with the backward on the calling thread: `1-thread`)."""
+    with the backward on the calling thread: `1-thread`, and that call's forward and
+    backward halves: `fwd`, `bwd`)."""
     by = {(r["op"], r["shape"], r["variant"]): r for r in rows}
     lines = [f"{'op':22s} {'shape':5s} {'fused us':>9s} {'eager us':>9s} {'ratio':>6s} "
-             f"{'python':>7s} {'1-thread':>9s} {'fused GPU':>9s} {'eager GPU':>9s} "
-             f"{'kernels f/e':>11s}"]
+             f"{'python':>7s} {'1-thread':>9s} {'fwd':>6s} {'bwd':>6s} {'fused GPU':>9s} "
+             f"{'eager GPU':>9s} {'kernels f/e':>11s}"]
     for op, shape in dict.fromkeys((r["op"], r["shape"]) for r in rows):
         f, e = by[(op, shape, "fused")], by[(op, shape, "eager")]
         p = by.get((op, shape, "python"))
+        (f_fwd, f_bwd), (e_fwd, e_bwd) = _halves(f), _halves(e)
         lines.append(f"{op:22s} {shape:5s} {f['plain_us']:9.1f} {e['plain_us']:9.1f} "
                      f"{f['plain_us'] / e['plain_us']:6.2f} "
                      f"{p['plain_us'] / e['plain_us'] if p else float('nan'):7.2f} "
-                     f"{f['plain_st_us'] / e['plain_st_us']:9.2f} {f['gpu_us']:9.1f} "
+                     f"{f['plain_st_us'] / e['plain_st_us']:9.2f} {f_fwd / e_fwd:6.2f} "
+                     f"{f_bwd / e_bwd:6.2f} {f['gpu_us']:9.1f} "
                      f"{e['gpu_us']:9.1f} {f['kernels']:>5d}/{e['kernels']:<5d}")
     return "\n".join(lines)
 
