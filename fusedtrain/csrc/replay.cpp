@@ -409,6 +409,7 @@ void launch(const Step& st, const std::vector<at::Tensor>& slots, int device) {
 
 // Runs a program over `slots` (its inputs already there); returns its outputs.
 variable_list run(const Program& p, std::vector<at::Tensor>& slots, int device) {
+  slots.reserve(slots.size() + p.steps.size());
   for (const Step& st : p.steps) {
     switch (st.kind) {
       case ALLOC: {
@@ -453,6 +454,7 @@ variable_list run(const Program& p, std::vector<at::Tensor>& slots, int device) 
     }
   }
   variable_list out;
+  out.reserve(p.outputs.size());
   for (int slot : p.outputs) out.push_back(slot < 0 ? at::Tensor() : slots[slot]);
   return out;
 }
@@ -506,6 +508,9 @@ size_t hash_ints(const std::vector<int64_t>& ints) {
 Key forward_key(PyObject* args, std::vector<at::Tensor>& tensors) {
   Key k;
   auto& ints = k.ints;
+  Py_ssize_t n = PyTuple_GET_SIZE(args);
+  ints.reserve(8 + 24 * n);  // a tensor's entries: 9 + 2 x its dims
+  tensors.reserve(n);
   ints.push_back(c10::GradMode::is_enabled());
   // An autocast dtype matters only while its autocast is on (`torch.autocast(enabled=False)`
   // still sets it): -1 otherwise.
@@ -516,7 +521,6 @@ Key forward_key(PyObject* args, std::vector<at::Tensor>& tensors) {
   }
   ints.push_back(at::globalContext().deterministicAlgorithms());
   size_t hash = 0;
-  Py_ssize_t n = PyTuple_GET_SIZE(args);
   for (Py_ssize_t i = 0; i < n; ++i) {
     PyObject* a = PyTuple_GET_ITEM(args, i);
     if (THPVariable_CheckExact(a)) {  // a Tensor or Parameter
@@ -657,6 +661,7 @@ int device_of(const std::vector<at::Tensor>& ts) {
 
 std::vector<int64_t> gradient_key(const variable_list& grads) {
   std::vector<int64_t> key;
+  key.reserve(16 * grads.size());
   for (const auto& g : grads) {
     if (g.defined()) add_tensor(key, g, false);
     else key.push_back(0);
@@ -711,6 +716,7 @@ struct ReplayFunction : public torch::autograd::Function<ReplayFunction> {
     for (size_t j = 0; j < f.positions.size(); ++j) slots[f.positions[j]] = inputs[j];
     variable_list outputs = run(f.program, slots, device_of(slots));
     variable_list saved;
+    saved.reserve(f.saved.size());
     for (int s : f.saved) saved.push_back(s < 0 ? at::Tensor() : slots[s]);
     ctx->save_for_backward(saved);
     ctx->saved_data["forward"] = forward_address;
@@ -730,7 +736,9 @@ struct ReplayFunction : public torch::autograd::Function<ReplayFunction> {
     }
     variable_list out;
     if (state == RECORDED) {
-      std::vector<at::Tensor> slots(saved.begin(), saved.end());
+      std::vector<at::Tensor> slots;
+      slots.reserve(saved.size() + grads.size() + b->program.steps.size());
+      slots.insert(slots.end(), saved.begin(), saved.end());
       slots.insert(slots.end(), grads.begin(), grads.end());
       out = run(b->program, slots, device_of(slots));
     } else {
@@ -786,6 +794,7 @@ PyObject* apply(PyObject*, PyObject* py_args) {
   if (f.state == PYTHON_ONLY) Py_RETURN_NOTIMPLEMENTED;
   // The defined tensors, as a TensorList: Function::apply counts only those as inputs.
   variable_list defined;
+  defined.reserve(f.positions.size());
   for (int pos : f.positions) defined.push_back(inputs[pos]);
   variable_list outputs =
       ReplayFunction::apply(reinterpret_cast<int64_t>(&f), at::TensorList(defined));
