@@ -233,6 +233,7 @@ def test_host_table_and_chart_pair_each_op_with_its_twin(tmp_path):
                                             ("gpt2", "eager", 170.0, 150.0, 0, 90.0, 3))]
     for row in rows[3:]:  # rows measured before the forward alone was
         del row["forward_us"]
+    rows[0]["python_backwards"] = 0
     table = host.host_table(rows).splitlines()
     assert len(table) == 3
     # forward 15 / 20, backward (60 - 15) / (50 - 20)
@@ -240,6 +241,7 @@ def test_host_table_and_chart_pair_each_op_with_its_twin(tmp_path):
                                     "1.20", "0.75", "1.50"]
     assert table[2].split()[5] == "nan"  # no python row at that shape
     assert table[2].split()[7:9] == ["nan", "nan"]
+    assert [line.split()[-1] for line in table[1:]] == ["0", "-"]
     host.plot_host(rows, tmp_path / "host.png", "title")
     assert (tmp_path / "host.png").stat().st_size > 0
 

@@ -89,6 +89,22 @@ def _replayed_node(out) -> bool:
     return type(node).__name__ == "CppFunction"
 
 
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_recorded_backward_runs_no_python(name):
+    """After its first calls (which record; on a GPU the calls triton compiles a kernel in
+    are retried), a replayed op's backward is its recorded program: no call goes to the
+    Function's Python backward again (`_replay.python_backwards` counts those that do)."""
+    fn, make = CASES[name]
+    inputs = make()
+    for _ in range(3):
+        _run(fn, inputs)
+    before = sum(_replay.python_backwards.values())
+    for _ in range(2):
+        _run(fn, inputs)
+    calls = sum(_replay.python_backwards.values()) - before
+    assert calls == 0, f"{name}: {calls} Python backward calls"
+
+
 def test_layer_norm_replays_from_a_cpp_node_once_recorded():
     """The first call records (on a GPU, the call triton compiles a kernel in is retried),
     the later ones replay; with replay off, the Python Function."""

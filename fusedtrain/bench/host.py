@@ -6,8 +6,9 @@ autograd's default threads), which at the tiny shape, where the GPU idles, is th
 cost; the same with the backward on the calling thread (what autograd's hand-over to its
 device thread adds is the difference) and that call's forward alone (the backward is
 the rest); the GPU time of the same call replayed as a CUDA
-graph; and which kernels one call launches (torch.profiler's CUDA kernel events, by name).
-Three variants: "fused" (the op as a user calls it: replayed from a C++ node once its
+graph; which kernels one call launches (torch.profiler's CUDA kernel events, by name);
+and how many of its backward nodes ran an op's Python backward (0 once every replayed
+backward is recorded). Three variants: "fused" (the op as a user calls it: replayed from a C++ node once its
 call signature is recorded, ops/_replay.py), "python" (the same op on its Python
 autograd.Function, replay off) and "eager". The loops of an op run in alternating
 blocks, so that a change in the host's speed (the lent hosts' Python speed moves by up
@@ -141,6 +142,15 @@ def kernels_of_a_call(run: Callable[[], None]) -> list[str]:
             and not e.name.startswith(("Memset", "Memcpy"))]
 
 
+def python_backwards_of_a_call(run: Callable[[], None]) -> int:
+    """How many backward nodes of one call of `run` went to an op's Python backward instead
+    of its recorded program (ops/_replay.py): 0 where every replayed op's backward replays."""
+    run()
+    before = sum(_replay.python_backwards.values())
+    run()
+    return sum(_replay.python_backwards.values()) - before
+
+
 def _interleaved_us(runs: dict[str, Callable[[], None]], calls: int,
                     blocks: int = 6) -> dict[str, float]:
     """Per named run, the median over `blocks` plain-loop blocks of calls // blocks calls,
@@ -184,8 +194,8 @@ def _single_threaded(run: Callable[[], None]) -> Callable[[], None]:
 
 def run_host(shapes: list[str], op_names: list[str] | None, calls: int,
              save: Callable[[list[dict]], None] = lambda rows: None) -> list[dict]:
-    """One row per (op, shape, variant): plain_us, plain_st_us, forward_us, gpu_us, kernels;
-    `save(rows)`
+    """One row per (op, shape, variant): plain_us, plain_st_us, forward_us, gpu_us, kernels,
+    python_backwards; `save(rows)`
     after each figure, so an interrupted run keeps what it measured. Every plain loop runs
     before any graph is captured: plain loops timed after captures in the same process ran
     up to 2.4x slower on an H200 (docs/journal.md)."""
@@ -215,12 +225,15 @@ def run_host(shapes: list[str], op_names: list[str] | None, calls: int,
                        "forward_us": timed[variant + "/fwd"],
                        "kernel_names": kernels_of_a_call(fwd_bwd(fn, _fresh(inputs), grads))}
                 row["kernels"] = len(row["kernel_names"])
+                row["python_backwards"] = python_backwards_of_a_call(
+                    fwd_bwd(fn, _fresh(inputs), grads))
                 rows.append(row)
                 save(rows)
                 runs.append(fwd_bwd(fn, _fresh(inputs), grads))
                 print(f"{name:22s} {shape:5s} {variant:6s} plain {row['plain_us']:8.1f} us  "
                       f"one thread {row['plain_st_us']:8.1f} us  forward "
-                      f"{row['forward_us']:8.1f} us  kernels {row['kernels']}", flush=True)
+                      f"{row['forward_us']:8.1f} us  kernels {row['kernels']}  Python "
+                      f"backwards {row['python_backwards']}", flush=True)
     for row, run in zip(rows, runs):
         row["gpu_us"] = graph_us(run)
         save(rows)
@@ -239,11 +252,12 @@ def _halves(row: dict) -> tuple[float, float]:
 def host_table(rows: list[dict]) -> str:
     """Per op and shape: plain-loop and GPU us, fused and eager, and fused / eager (also
     with the backward on the calling thread: `1-thread`, and that call's forward and
-    backward halves: `fwd`, `bwd`)."""
+    backward halves: `fwd`, `bwd`); `py bwd`: the fused call's backward nodes that ran
+    Python."""
     by = {(r["op"], r["shape"], r["variant"]): r for r in rows}
     lines = [f"{'op':22s} {'shape':5s} {'fused us':>9s} {'eager us':>9s} {'ratio':>6s} "
              f"{'python':>7s} {'1-thread':>9s} {'fwd':>6s} {'bwd':>6s} {'fused GPU':>9s} "
-             f"{'eager GPU':>9s} {'kernels f/e':>11s}"]
+             f"{'eager GPU':>9s} {'kernels f/e':>11s} {'py bwd':>6s}"]
     for op, shape in dict.fromkeys((r["op"], r["shape"]) for r in rows):
         f, e = by[(op, shape, "fused")], by[(op, shape, "eager")]
         p = by.get((op, shape, "python"))
@@ -253,7 +267,8 @@ def host_table(rows: list[dict]) -> str:
                      f"{p['plain_us'] / e['plain_us'] if p else float('nan'):7.2f} "
                      f"{f['plain_st_us'] / e['plain_st_us']:9.2f} {f_fwd / e_fwd:6.2f} "
                      f"{f_bwd / e_bwd:6.2f} {f['gpu_us']:9.1f} "
-                     f"{e['gpu_us']:9.1f} {f['kernels']:>5d}/{e['kernels']:<5d}")
+                     f"{e['gpu_us']:9.1f} {f['kernels']:>5d}/{e['kernels']:<5d} "
+                     f"{f.get('python_backwards', '-'):>6}")
     return "\n".join(lines)
 
 

@@ -27,6 +27,7 @@ tensor there is left to Python).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 from collections.abc import Callable, Iterator
@@ -362,6 +363,10 @@ class _Recording:
 
 
 _ON = True
+# Function name -> backward calls of replayed nodes that went to its Python backward (the
+# call that records a gradient layout, and every call of one left to Python): a replayed
+# op's count stays put once its backward is recorded (`bench.py host` reports it per op).
+python_backwards: collections.Counter[str] = collections.Counter()
 
 
 @contextlib.contextmanager
@@ -469,6 +474,7 @@ class Replayed:
         """(gradients, record or None, final): the Function's backward on a stand-in ctx,
         recorded if `record`; called from replay.cpp with the GIL taken."""
         fn, ctx_attrs, needs = attrs
+        python_backwards[fn.__name__] += 1
         ctx = _StandInCtx(ctx_attrs, tuple(saved), needs)
         if not record:
             return list(fn.backward(ctx, *grads)), None, True
