@@ -20,7 +20,7 @@ import logging
 import os
 import sys
 import sysconfig
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -108,7 +108,7 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
-    def decode(self, ids) -> str:
+    def decode(self, ids: Iterable[int]) -> str:
         return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
 
 
@@ -136,7 +136,7 @@ class GPT2Tokenizer:
     def encode(self, text: str) -> list[int]:
         return self._enc.encode_ordinary(text)
 
-    def decode(self, ids) -> str:
+    def decode(self, ids: Iterable[int]) -> str:
         return self._enc.decode([int(i) for i in ids])
 
 

@@ -11,6 +11,7 @@ token table. Models with Llama's block go to and come from LlamaForCausalLM
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -88,7 +89,7 @@ def export_hf(state: dict[str, torch.Tensor], config: dict, out_dir: str | Path,
     save_file(hf_state(state, vocab), str(out / "model.safetensors"), metadata={"format": "pt"})
 
 
-def from_hf(source) -> tuple[dict[str, torch.Tensor], dict]:
+def from_hf(source: str | os.PathLike | torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict]:
     """(our GPT's state_dict, GPTConfig fields) from a GPT2LMHeadModel or LlamaForCausalLM,
     or a local directory that AutoModelForCausalLM.from_pretrained loads as one (no hub
     access)."""

@@ -6,6 +6,7 @@ RMSNorm, SwiGLU, grouped-query attention, untied head); optionally packed rows o
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -317,7 +318,8 @@ class GPT(nn.Module):
         return cls._built(state, cfg, kernels, eager_attention)
 
     @classmethod
-    def from_hf(cls, source, kernels: dict[str, bool] | None = None,
+    def from_hf(cls, source: str | os.PathLike | torch.nn.Module,
+                kernels: dict[str, bool] | None = None,
                 eager_attention: str | None = None) -> GPT:
         """A GPT with the weights of a transformers GPT2LMHeadModel or LlamaForCausalLM, or
         of a local directory that loads as one (fusedtrain.hf, fusedtrain.hf_llama), built

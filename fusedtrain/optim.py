@@ -10,6 +10,7 @@ bytes a parameter written in the optimizer's pass against 6 read and written by 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -38,9 +39,10 @@ class AdamW(torch.optim.AdamW):
     change a parameter in place through the parameter itself (as load_state_dict and
     torch.nn.init do), not through `p.data`, whose changes no counter sees."""
 
-    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 1e-2,
-                 copy_dtype: torch.dtype | None = torch.bfloat16, **options):
+    def __init__(self, params: Iterable[torch.Tensor] | Iterable[dict], lr: float = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, copy_dtype: torch.dtype | None = torch.bfloat16,
+                 **options):
         if copy_dtype not in (None, *kernel.COPY_DTYPES):
             raise ValueError(f"copy_dtype must be None or one of {kernel.COPY_DTYPES}, "
                              f"got {copy_dtype}")
@@ -100,7 +102,7 @@ class AdamW(torch.optim.AdamW):
         return self._fitting is not None
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor | None:
         loss = None
         if closure is not None:  # first: it makes the gradients that decide the path
             with torch.enable_grad():

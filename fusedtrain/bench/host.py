@@ -8,9 +8,9 @@ device thread adds is the difference) and that call's forward alone (the backwar
 the rest); the GPU time of the same call replayed as a CUDA
 graph; which kernels one call launches (torch.profiler's CUDA kernel events, by name);
 and how many of its backward nodes ran an op's Python backward (0 once every replayed
-backward is recorded). Three variants: "fused" (the op as a user calls it: replayed from a C++ node once its
-call signature is recorded, ops/_replay.py), "python" (the same op on its Python
-autograd.Function, replay off) and "eager". The loops of an op run in alternating
+backward is recorded). Three variants: "fused" (the op as a user calls it: replayed from
+a C++ node once its call signature is recorded, ops/_replay.py), "python" (the same op on
+its Python autograd.Function, replay off) and "eager". The loops of an op run in alternating
 blocks, so that a change in the host's speed (the lent hosts' Python speed moves by up
 to 2x between phases) falls on all. The row `function_floor` is an autograd.Function
 that launches nothing, beside F.layer_norm: the host cost under which no op written as a
