@@ -43,6 +43,8 @@ step() {  # step NAME SECONDS COMMAND...
 
 nvidia-smi -L
 step gpu-tests 500 python -m pytest -q -m gpu -p no:cacheprovider
+# the replay's tests run on the GPU when there is one (CUDA tensors, compiled kernels)
+step replay-tests 200 python -m pytest -q -p no:cacheprovider tests/test_replay.py
 step gradcheck 300 python scripts/gradcheck.py model=gpt2 "gradcheck.parts=[model,report]" \
   "hydra.run.dir=$out/gradcheck"
 step train 550 python scripts/bench.py train --ablation --variant-timeout 200 --out "$out"
