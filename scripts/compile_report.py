@@ -2,7 +2,8 @@
 Linear+GELU/MLP and QKV kernels) at their table's tiles, the SwiGLU GEMMs at their
 autotune candidates and their TMA versions at their tiles, the QKV forward's pointer
 kernel at its autotune candidates, the rotary kernel and the embedding kernels (as
-gpt_embedding runs them for packed rows: token and position ids, fp32 tables), for a
+gpt_embedding runs them for packed rows: token and position ids, fp32 tables; and the
+table sweep and per-id rows of an embedding's bf16 gradient), for a
 Hopper GPU (sm_90) on a machine without one, and print what each costs in registers,
 stack (register spills) and shared memory per config: a look at register pressure, and a
 check that the GPU's Triton compiles them at all, before spending device time.
@@ -17,7 +18,7 @@ triton==3.6.0`): the figures guide, the GPU decides.
   python scripts/compile_report.py [--head-dim 128] [--softcap] [--grouped] [--varlen]
       [--bias-sums] [--rope]
       [--kernels fwd dkdv dq linear_gelu_fwd dgelu gelu_rhs qkv_fwd qkv_fwd_pointer qkv_dx
-                 qkv_dw emb_fwd emb_bwd
+                 qkv_dw emb_fwd emb_bwd emb_sweep emb_rows
                  swiglu_act swiglu_bwd rope
                  linear_gelu_fwd_ws dgelu_ws qkv_fwd_ws ce_smem]
 
@@ -97,6 +98,15 @@ _EMB_CONFIG = [triton.Config({"BLOCK_T": E._BLOCK_T, "BLOCK_C": E._BLOCK_C},
 _EMB_POINTERS = {"idx_ptr": "*i64", "pid_ptr": "*i64", **dict.fromkeys(
     ["w_ptr", "pos_ptr", "x_ptr", "dy_ptr", "dw_ptr", "dpos_ptr"], "*fp32")}
 
+# The embedding's gradient for up to SWEEP_TOKENS tokens (bf16, one sweep of the table) and
+# for more (the per-id fp32 sums of bf16 rows, the pass that adds them).
+_SWEEP_CONFIG = [triton.Config({"BLOCK_R": E._SWEEP_ROWS, "BLOCK_M": E._SWEEP_BLOCK,
+                                "BLOCK_C": E._BLOCK_C}, num_warps=4)]
+_SWEEP_POINTERS = {"idx_ptr": "*i64"}
+_ROWS_CONFIG = [triton.Config({"BLOCK_T": E._BLOCK_T, "BLOCK_C": E._BLOCK_C, "WRITE": False},
+                              num_warps=E._WARPS)]
+_ROWS_POINTERS = {"idx_ptr": "*i64", "first_ptr": "*i32", "dst_ptr": "*fp32"}
+
 # The SwiGLU elementwise passes' one tile.
 _PASS_CONFIG = [triton.Config({"BLOCK_M": SW._PASS_TILE[0], "BLOCK_N": SW._PASS_TILE[1]},
                               num_warps=8)]
@@ -119,6 +129,8 @@ KERNELS = {"fwd": (A._attn_fwd_kernel, (A.FWD_CONFIGS, A.FWD_HEAD_256), {}),
            "qkv_dw": (Q._qkv_dw_tma_kernel, [_table_config()], {}),
            "emb_fwd": (E._embedding_fwd_kernel, _EMB_CONFIG, _EMB_POINTERS),
            "emb_bwd": (E._embedding_bwd_kernel, _EMB_CONFIG, _EMB_POINTERS),
+           "emb_sweep": (E._table_sweep_kernel, _SWEEP_CONFIG, _SWEEP_POINTERS),
+           "emb_rows": (E._rows_kernel, _ROWS_CONFIG, _ROWS_POINTERS),
            "swiglu_act": (SW._swiglu_act_kernel, _PASS_CONFIG, {}),
            "swiglu_bwd": (SW._swiglu_bwd_kernel, _PASS_CONFIG, {}),
            "rope": (R._rope_kernel, [triton.Config({"BLOCK_T": R._BLOCK_T, "BLOCK_D": 64})],
