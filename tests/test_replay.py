@@ -2,6 +2,7 @@
 a replayed call computes what the op's Python Function computes, bit for bit, forward and
 backward; what cannot be recorded runs the Python Function; autograd's checks hold."""
 
+import contextlib
 import logging
 
 import pytest
@@ -103,6 +104,31 @@ def test_a_recorded_backward_runs_no_python(name):
         _run(fn, inputs)
     calls = sum(_replay.python_backwards.values()) - before
     assert calls == 0, f"{name}: {calls} Python backward calls"
+
+
+@pytest.mark.parametrize("replay", [True, False])
+@pytest.mark.parametrize("name", list(CASES))
+def test_differentiating_a_gradient_again_raises_naming_the_op(name, replay):
+    """With create_graph=True the ops' gradients are the usual ones, but they carry no
+    graph through the kernels: a further backward through them (a gradient penalty)
+    raises, naming the Function, instead of silently leaving its terms out; replayed or
+    on the Python Function alike."""
+    fn, make = CASES[name]
+    inputs = make()
+    wanted = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+
+    def loss_of(out):
+        outs = out if isinstance(out, tuple) else (out,)
+        return sum((o.float() ** 2).sum() for o in outs if o.is_floating_point())
+
+    with contextlib.nullcontext() if replay else _replay.disabled():
+        for _ in range(2):  # with the replay: the first call records, the second replays
+            plain = torch.autograd.grad(loss_of(fn(*inputs)), wanted)
+            grads = torch.autograd.grad(loss_of(fn(*inputs)), wanted, create_graph=True)
+            for g, p in zip(grads, plain):
+                assert torch.equal(g.detach(), p)
+            with pytest.raises(RuntimeError, match="Function's backward is not differentiable"):
+                sum((g.float() ** 2).sum() for g in grads).backward()
 
 
 def test_layer_norm_replays_from_a_cpp_node_once_recorded():

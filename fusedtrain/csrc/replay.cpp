@@ -735,7 +735,12 @@ struct ReplayFunction : public torch::autograd::Function<ReplayFunction> {
       state = b->state;
     }
     variable_list out;
-    if (state == RECORDED) {
+    // create_graph=True: the Function's Python backward, which puts its gradients behind
+    // an error node for a second differentiation (ops/_registry.py, _first_order_only);
+    // never recorded.
+    if (c10::GradMode::is_enabled()) {
+      out = python_backward(f, saved, grads, *b, false);
+    } else if (state == RECORDED) {
       std::vector<at::Tensor> slots;
       slots.reserve(saved.size() + grads.size() + b->program.steps.size());
       slots.insert(slots.end(), saved.begin(), saved.end());

@@ -42,6 +42,39 @@ def backward_wanted(*tensors: torch.Tensor | None) -> bool:
 _C_APPLY = torch._C._FunctionBase.__dict__["apply"]
 
 
+def _first_order_only(fn: type[torch.autograd.Function]) -> None:
+    """Make fn's backward refuse to be differentiated. Its kernels build no autograd graph,
+    so the gradients of a backward run with create_graph=True carry none: differentiated
+    again (a gradient penalty, a Hessian-vector product), they would silently leave out
+    every term through this op. When create_graph=True and anything the backward read
+    needs a gradient, its gradients come back behind an error node (as torch's
+    once_differentiable does, which looks at the incoming gradients only): using them in
+    a further backward raises, naming the op."""
+    backward = fn.backward
+    message = (f"fusedtrain: {fn.__name__}'s backward is not differentiable; a gradient "
+               "taken through it with create_graph=True was differentiated again. For "
+               "higher-order gradients use the eager ops (fusedtrain.eager, or fused=false)")
+
+    def first_order(ctx, *grads):
+        out = backward(ctx, *grads)
+        if (not torch.is_grad_enabled() or torch.compiler.is_compiling()
+                or torch._C._are_functorch_transforms_active()
+                or _get_current_dispatch_mode() is not None):
+            return out
+        read = (*grads, *ctx.saved_tensors)
+        if not any(isinstance(t, torch.Tensor) and t.requires_grad for t in read):
+            return out
+        outs = out if isinstance(out, tuple) else (out,)
+        guarded = torch._C._functions.DelayedError(message.encode(), len(outs))(
+            *[t.detach().requires_grad_() if isinstance(t, torch.Tensor) else t
+              for t in outs])
+        guarded = guarded if isinstance(guarded, tuple) else (guarded,)
+        return guarded if isinstance(out, tuple) else guarded[0]
+
+    first_order.__doc__ = backward.__doc__
+    fn.backward = staticmethod(first_order)
+
+
 def function_apply(fn: type[torch.autograd.Function], derived: tuple[int, ...] = ()
                    ) -> Callable:
     """fn.apply, in plain eager execution replayed from one C++ autograd node per call
@@ -56,6 +89,7 @@ def function_apply(fn: type[torch.autograd.Function], derived: tuple[int, ...] =
     `derived`: the positions of arguments that are functions of the rest of a replay's
     key (dtypes, devices, requires_grad, grad mode, autocast), such as an output dtype:
     left out of the key, so that `hit` need not compute them (None there)."""
+    _first_order_only(fn)
     direct = _C_APPLY.__get__(None, fn)
     replayed = Replayed(fn, direct, derived)
 
