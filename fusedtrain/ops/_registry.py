@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 from collections.abc import Callable
@@ -55,6 +56,7 @@ def _first_order_only(fn: type[torch.autograd.Function]) -> None:
                "taken through it with create_graph=True was differentiated again. For "
                "higher-order gradients use the eager ops (fusedtrain.eager, or fused=false)")
 
+    @functools.wraps(backward)
     def first_order(ctx, *grads):
         out = backward(ctx, *grads)
         if (not torch.is_grad_enabled() or torch.compiler.is_compiling()
@@ -71,7 +73,6 @@ def _first_order_only(fn: type[torch.autograd.Function]) -> None:
         guarded = guarded if isinstance(guarded, tuple) else (guarded,)
         return guarded if isinstance(out, tuple) else guarded[0]
 
-    first_order.__doc__ = backward.__doc__
     fn.backward = staticmethod(first_order)
 
 

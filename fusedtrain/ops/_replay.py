@@ -364,8 +364,9 @@ class _Recording:
 
 _ON = True
 # Function name -> backward calls of replayed nodes that went to its Python backward (the
-# call that records a gradient layout, and every call of one left to Python): a replayed
-# op's count stays put once its backward is recorded (`bench.py host` reports it per op).
+# call that records a gradient layout, every call of one left to Python, every call with
+# create_graph=True): a replayed op's count stays put once its backward is recorded
+# (`bench.py host` reports it per op).
 python_backwards: collections.Counter[str] = collections.Counter()
 
 
