@@ -141,7 +141,7 @@ KERNELS = {"fwd": (A._attn_fwd_kernel, (A.FWD_CONFIGS, A.FWD_HEAD_256), {}),
 # step runs them: bias, h stored, tanh GELU, column sums; int64 targets and fp32 losses.
 WS_KERNELS = {"linear_gelu_fwd_ws": ("linear_gelu_gluon", "_linear_gelu_fwd_ws_kernel", {}),
               "dgelu_ws": ("linear_gelu_gluon", "_matmul_dgelu_ws_kernel", {}),
-              "qkv_fwd_ws": ("qkv_gluon", "_qkv_fwd_ws_kernel", {}),
+              "qkv_fwd_ws": ("qkv_gluon", "_qkv_fwd_ws_kernel", _ROPE_POINTERS),
               "ce_smem": ("cross_entropy_smem", "_ce_smem_kernel",
                           {"target_ptr": "*i64", "count_ptr": "*i64", "loss_ptr": "*fp32"})}
 

@@ -357,25 +357,35 @@ def test_qkv_attention_gpu_bf16_accuracy(B, T, C, H):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("B,T,C,H,bias", [(2, 256, 768, 12, True), (3, 128, 256, 2, False),
-                                          (1, 384, 384, 6, True)])
-def test_gpu_warp_specialised_forward_matches_the_triton_kernel(B, T, C, H, bias):
+@pytest.mark.parametrize("B,T,C,H,HK,bias,rope,positions", [
+    (2, 256, 768, 12, 12, True, False, False), (3, 128, 256, 2, 2, False, False, False),
+    (1, 384, 384, 6, 6, True, False, False), (2, 256, 768, 12, 4, False, False, False),
+    (2, 256, 768, 12, 12, True, True, False), (2, 256, 768, 12, 4, False, True, True),
+    (1, 256, 1024, 8, 2, True, True, False), (2, 128, 512, 4, 1, False, True, True)])
+def test_gpu_warp_specialised_forward_matches_the_triton_kernel(B, T, C, H, HK, bias, rope,
+                                                                 positions):
     """The Gluon forward (sm_90) against the Triton TMA kernel (forced by a config) on the
     same bf16 data: two heads a tile (D = 64) and one (D = 128), several tiles per
-    consumer, tiles of all three segments in one sequence; the same fp32 accumulation over
-    the same K steps, so equal to a bf16 rounding."""
+    consumer, tiles of all three segments in one sequence, grouped and single key/value
+    heads, q and k rotated at default and given positions; the same fp32 accumulation
+    over the same K steps and the same rotation formula, so equal to a bf16 rounding."""
     from fusedtrain.kernels import qkv as Kn
     from fusedtrain.kernels import qkv_gluon
     from fusedtrain.kernels._tma import gluon_ok, tma_config
 
+    D = C // H
     x = torch.randn(B, T, C, device="cuda", dtype=torch.bfloat16)
-    w = (torch.randn(3 * C, C, device="cuda") / C ** 0.5).bfloat16()
-    b = torch.randn(3 * C, device="cuda", dtype=torch.bfloat16) if bias else None
+    w = (torch.randn((H + 2 * HK) * D, C, device="cuda") / C ** 0.5).bfloat16()
+    b = torch.randn(w.shape[0], device="cuda", dtype=torch.bfloat16) if bias else None
+    pos = torch.randint(0, 4 * T, (B, T), device="cuda") if positions else None
     if not gluon_ok(x, w):
         pytest.skip("the warp-specialised kernels need an sm_90 GPU and triton 3.6")
-    assert qkv_gluon.fits(T, C, C // H)
-    for got, ref in zip(Kn.qkv_fwd(x, w, b, H), Kn.qkv_fwd(x, w, b, H, config=tma_config(C))):
-        torch.testing.assert_close(got, ref)
+    assert qkv_gluon.fits(T, C, HK * D, D)
+    base = 10000.0 if rope else None
+    got = Kn.qkv_fwd(x, w, b, H, HK, base, pos)
+    ref = Kn.qkv_fwd(x, w, b, H, HK, base, pos, config=tma_config(C))
+    for g, r in zip(got, ref):
+        torch.testing.assert_close(g, r)
 
 
 @pytest.mark.gpu

@@ -13,9 +13,9 @@ aligned operands; tiles from its measured table) beside the pointer-based one us
 everything else (block sizes: triton.autotune over the shared tilings, keyed on the
 sizes). The rotation needs each pair (d, d + D/2) in one tile: the TMA forward has it
 where a tile's halves are whole heads, the pointer forward by loading the W rows of the
-pairs' two halves into the tile's two halves. On an sm_90 GPU the forward of equal head
-counts without rotation runs instead as a warp-specialised Gluon kernel (qkv_gluon),
-whose epilogue overlaps the MMAs, where its tiles fit the heads (qkv_gluon.fits).
+pairs' two halves into the tile's two halves. On an sm_90 GPU the forward runs instead
+as a warp-specialised Gluon kernel (qkv_gluon), whose epilogue (bias, rotation, head
+stores) overlaps the MMAs, where its tiles fit the heads (qkv_gluon.fits).
 """
 
 from __future__ import annotations
@@ -436,10 +436,12 @@ def qkv_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n_
     freq = inv_freq(D, rope_base, x.device, stat_dtype(x)) if rope else x
     pos = positions.contiguous() if positions is not None else x  # read only when given
     if tma_ok(x, weight) and (B == 1 or x.stride(0) == T * x.stride(1)):
-        if config is None and gluon_ok(x, weight) and HK == H and not rope:
+        if config is None and gluon_ok(x, weight):
             from fusedtrain.kernels import qkv_gluon  # Gluon: imported where it compiles
-            if qkv_gluon.fits(T, C, D):
-                qkv_gluon.qkv_fwd(x.reshape(M, C), weight, bias, q, k, v)
+            if qkv_gluon.fits(T, C, CKV, D):
+                qkv_gluon.qkv_fwd(x.reshape(M, C), weight, bias, q, k, v,
+                                  freq if rope else None,
+                                  None if positions is None else pos.reshape(-1))
                 return q, k, v
         cfg = config or tma_config(C)
         head_store = (T % cfg.block_m == 0 and C % cfg.block_n == 0 and CKV % cfg.block_n == 0
