@@ -15,6 +15,7 @@ from triton.experimental.gluon.language.nvidia.hopper import tma
 from triton.language.core import _aggregate as aggregate
 
 from fusedtrain.kernels._launch import fast_launch
+from fusedtrain.kernels._primitives import sin_cos
 from fusedtrain.kernels.gemm_gluon import (
     ACC_LAYOUT,
     BK,
@@ -59,20 +60,6 @@ class _HeadArgs:
 
 
 @gluon.jit
-def _sin_cos(x):
-    """(sin x, cos x) of fp32 x as kernels._primitives.sin_cos computes them: reduced to
-    [-pi, pi] with 2 pi in two fp32 parts, then one special-function instruction each."""
-    k = gl.floor(x * 0.15915494309189535 + 0.5)
-    r = gl.fma(k, -6.2831854820251465, x)
-    r = gl.fma(k, 1.7484556e-07, r)
-    s = gl.inline_asm_elementwise("sin.approx.ftz.f32 $0, $1;", "=f,f", [r],
-                                  dtype=gl.float32, is_pure=True, pack=1)
-    c = gl.inline_asm_elementwise("cos.approx.ftz.f32 $0, $1;", "=f,f", [r],
-                                  dtype=gl.float32, is_pure=True, pack=1)
-    return s, c
-
-
-@gluon.jit
 def _swap_halves(x, D: gl.constexpr):
     """(BM, BN) with each D-wide head's halves [0, D/2) and [D/2, D) exchanged. In the
     wgmma accumulator's layout a thread holds every 8th column pair, so a column and its
@@ -95,7 +82,7 @@ def _rotated(e, acc, off_m):
     cols = gl.arange(0, BN, layout=gl.SliceLayout(0, ACC_LAYOUT)) % e.D
     p = gl.load(e.pos_ptr + rows) if e.POSITIONS else rows % e.T
     freq = gl.load(e.freq_ptr + cols % HALF)
-    sin, cos = _sin_cos(p.to(gl.float32)[:, None] * freq[None, :])
+    sin, cos = sin_cos(p.to(gl.float32)[:, None] * freq[None, :])
     sin = gl.where((cols < HALF)[None, :], -sin, sin)
     return acc * cos + _swap_halves(acc, e.D) * sin
 
