@@ -4,8 +4,8 @@ pipeline and ping-pong consumers of kernels.gemm_gluon): one GEMM over W_qkv = [
 head's (BM, D) block straight into q (B, H, T, D) or k, v (B, HK, T, D) by TMA, under the
 other consumer's MMAs. The same computation as qkv._qkv_fwd_tma_kernel's head-store path,
 which it replaces on sm_90 GPUs up to C = 1024 (qkv.qkv_fwd says why) where every output
-tile lies inside one segment and one sequence (CQ = H D and CKV = HK D multiples of BN, T % BM == 0) and covers whole heads
-(D = BN or BN / 2).
+tile lies inside one segment and one sequence (CQ = H D and CKV = HK D multiples of BN,
+T % BM == 0) and covers whole heads (D = BN or BN / 2).
 """
 
 import torch
