@@ -374,7 +374,8 @@ def _rotated_after(x: torch.Tensor, w: torch.Tensor, H: int, HK: int) -> tuple[t
 def bench_rope(rows: list[dict]) -> None:
     """The QKV projection with q and k rotated in its epilogue against the same projection
     without them (fused, the target: <= 1.05x its time; on an sm_90 GPU both run the
-    Gluon kernel), the rotary kernel as a second pass, and the eager form with rotary."""
+    Gluon kernel up to C = 1024, the TMA kernel past it), the rotary kernel as a second
+    pass, and the eager form with rotary."""
     for B, T, C, H, HK in [(16, 1024, 768, 12, 12), (16, 1024, 768, 12, 4),
                            (4, 4096, 4096, 32, 8)]:
         x = randn(B, T, C)
