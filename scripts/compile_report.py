@@ -20,9 +20,9 @@ triton==3.6.0`): the figures guide, the GPU decides.
       [--kernels fwd dkdv dq linear_gelu_fwd dgelu gelu_rhs qkv_fwd qkv_fwd_pointer qkv_dx
                  qkv_dw emb_fwd emb_bwd emb_sweep emb_rows
                  swiglu_act swiglu_bwd rope
-                 linear_gelu_fwd_ws dgelu_ws qkv_fwd_ws ce_smem]
+                 linear_gelu_fwd_ws dgelu_ws qkv_fwd_ws swiglu_fwd_ws ce_smem]
 
-The last four are Gluon kernels (the warp-specialised GEMMs of kernels.gemm_gluon and the
+The last five are Gluon kernels (the warp-specialised GEMMs of kernels.gemm_gluon and the
 one-pass cross-entropy of kernels.cross_entropy_smem at GPT-2's vocabulary), written
 against the Gluon API of one triton release (_tma.GLUON_TRITON): with another, they are
 reported as skipped. `--inductor-sources` checks instead that every Triton kernel survives
@@ -142,6 +142,7 @@ KERNELS = {"fwd": (A._attn_fwd_kernel, (A.FWD_CONFIGS, A.FWD_HEAD_256), {}),
 WS_KERNELS = {"linear_gelu_fwd_ws": ("linear_gelu_gluon", "_linear_gelu_fwd_ws_kernel", {}),
               "dgelu_ws": ("linear_gelu_gluon", "_matmul_dgelu_ws_kernel", {}),
               "qkv_fwd_ws": ("qkv_gluon", "_qkv_fwd_ws_kernel", _ROPE_POINTERS),
+              "swiglu_fwd_ws": ("swiglu_gluon", "_swiglu_fwd_ws_kernel", {}),
               "ce_smem": ("cross_entropy_smem", "_ce_smem_kernel",
                           {"target_ptr": "*i64", "count_ptr": "*i64", "loss_ptr": "*fp32"})}
 

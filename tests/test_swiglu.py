@@ -113,3 +113,23 @@ def test_gpu_bf16_accuracy(M, C, H):
     args = [t.detach().bfloat16().requires_grad_()
             for t in _inputs((M,), C, H, C, dtype=torch.float32, device="cuda")]
     check_against_oracle(ops.swiglu_mlp, eager.swiglu_mlp, args, atol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,C,H", [(512, 768, 2048), (300, 256, 200), (1024, 1024, 2816)])
+def test_gpu_warp_specialised_forward_matches_cublas(M, C, H, monkeypatch):
+    """The Gluon forward (sm_90) against cuBLAS's two GEMMs and the activation pass on the
+    same bf16 data: the same fp32 accumulation, each output one bf16 rounding, h from the
+    rounded g and u in both; rows and columns past a tile's edge (M = 300, H = 200)."""
+    from fusedtrain.kernels import swiglu as K
+    from fusedtrain.kernels._tma import gluon_ok
+
+    x = torch.randn(M, C, device="cuda", dtype=torch.bfloat16)
+    wg, wu = ((torch.randn(H, C, device="cuda") / C ** 0.5).bfloat16() for _ in range(2))
+    if not gluon_ok(x, wg, wu):
+        pytest.skip("the warp-specialised kernels need an sm_90 GPU and triton 3.6")
+    got = K.swiglu_fwd(x, wg, wu)
+    monkeypatch.setattr(K, "gluon_ok", lambda *tensors: False)
+    for a, b in zip(got, K.swiglu_fwd(x, wg, wu)):
+        torch.testing.assert_close(a, b)
+

@@ -84,6 +84,7 @@ class Pipe:
 
     a_desc: tma.tensor_descriptor
     b_desc: tma.tensor_descriptor
+    b2_desc: tma.tensor_descriptor
     a_bufs: gl.shared_memory_descriptor
     b_bufs: gl.shared_memory_descriptor
     ready: gl.shared_memory_descriptor
@@ -93,13 +94,16 @@ class Pipe:
     N: gl.tensor
     K: gl.tensor
     B_TRANS: gl.constexpr
+    PAIRED: gl.constexpr
 
     @gluon.constexpr_function
-    def __init__(self, a_desc, b_desc, a_bufs, b_bufs, ready, empty, turn, M, N, K, B_TRANS):
-        self.a_desc, self.b_desc, self.a_bufs, self.b_bufs = a_desc, b_desc, a_bufs, b_bufs
+    def __init__(self, a_desc, b_desc, b2_desc, a_bufs, b_bufs, ready, empty, turn, M, N, K,
+                 B_TRANS, PAIRED):
+        self.a_desc, self.b_desc, self.b2_desc = a_desc, b_desc, b2_desc
+        self.a_bufs, self.b_bufs = a_bufs, b_bufs
         self.ready, self.empty, self.turn = ready, empty, turn
         self.M, self.N, self.K = M, N, K
-        self.B_TRANS = gl.constexpr(B_TRANS)
+        self.B_TRANS, self.PAIRED = gl.constexpr(B_TRANS), gl.constexpr(PAIRED)
 
 
 @gluon.jit
@@ -119,8 +123,22 @@ def make_pipe(a_desc, b_desc, M, N, K, B_TRANS: gl.constexpr):
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape,
                                        b_desc.layout)
     # Sizes as tensors: triton passes an int argument equal to 1 as a constant.
-    return Pipe(a_desc, b_desc, a_bufs, b_bufs, _barriers(STAGES), _barriers(STAGES),
-                _barriers(2), gl.to_tensor(M), gl.to_tensor(N), gl.to_tensor(K), B_TRANS)
+    return Pipe(a_desc, b_desc, b_desc, a_bufs, b_bufs, _barriers(STAGES), _barriers(STAGES),
+                _barriers(2), gl.to_tensor(M), gl.to_tensor(N), gl.to_tensor(K), B_TRANS,
+                False)
+
+
+@gluon.jit
+def make_paired_pipe(a_desc, b_desc, b2_desc, M, N, K):
+    """x @ [W1 | W2 interleaved].T: A (M, K) through a_desc's (BM, BK) tiles, W1 and W2 (N/2,
+    K) each through (BN/2, BK) tiles; output tile columns [off_n, off_n + BN) are W1's rows
+    [off_n/2, off_n/2 + BN/2) then W2's same rows (e.g. SwiGLU's gate and up projections
+    side by side in one accumulator)."""
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape,
+                                       a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BN, BK], b_desc.layout)
+    return Pipe(a_desc, b_desc, b2_desc, a_bufs, b_bufs, _barriers(STAGES), _barriers(STAGES),
+                _barriers(2), gl.to_tensor(M), gl.to_tensor(N), gl.to_tensor(K), True, True)
 
 
 @gluon.jit
@@ -144,9 +162,16 @@ def _producer(p):
             slot = s % STAGES
             mbarrier.wait(p.empty.index(slot), ((s // STAGES) & 1) ^ 1)  # lap 0: free
             bar = p.ready.index(slot)
-            mbarrier.expect(bar, p.a_desc.block_type.nbytes + p.b_desc.block_type.nbytes)
+            b_bytes: gl.constexpr = p.b_desc.block_type.nbytes * (2 if p.PAIRED else 1)
+            mbarrier.expect(bar, p.a_desc.block_type.nbytes + b_bytes)
             tma.async_copy_global_to_shared(p.a_desc, [off_m, k], bar, p.a_bufs.index(slot))
-            if p.B_TRANS:
+            if p.PAIRED:
+                b = p.b_bufs.index(slot)
+                tma.async_copy_global_to_shared(p.b_desc, [off_n // 2, k], bar,
+                                                b.slice(0, BN // 2, dim=0))
+                tma.async_copy_global_to_shared(p.b2_desc, [off_n // 2, k], bar,
+                                                b.slice(BN // 2, BN // 2, dim=0))
+            elif p.B_TRANS:
                 tma.async_copy_global_to_shared(p.b_desc, [off_n, k], bar, p.b_bufs.index(slot))
             else:
                 tma.async_copy_global_to_shared(p.b_desc, [k, off_n], bar, p.b_bufs.index(slot))

@@ -23,10 +23,11 @@ import triton.language as tl
 from fusedtrain.kernels._device import acc_dtype, ceil_div
 from fusedtrain.kernels._launch import fast_launch
 from fusedtrain.kernels._primitives import device_fn, sigmoid, tile_ptrs
+from fusedtrain.kernels._tma import gluon_ok
 
 
 @device_fn
-def _swiglu(g, u):
+def swiglu_value(g, u):
     return g * sigmoid(g) * u
 
 
@@ -48,7 +49,7 @@ def _swiglu_act_kernel(g_ptr, u_ptr, h_ptr, M, N, s_gm, s_um, s_hm,
     g = tl.load(tile_ptrs(g_ptr, offs_m, offs_n, s_gm, 1), mask=mask, other=0.0).to(ACC)
     u = tl.load(tile_ptrs(u_ptr, offs_m, offs_n, s_um, 1), mask=mask, other=0.0).to(ACC)
     tl.store(tile_ptrs(h_ptr, offs_m, offs_n, s_hm, 1),
-             _swiglu(g, u).to(h_ptr.dtype.element_ty), mask=mask)
+             swiglu_value(g, u).to(h_ptr.dtype.element_ty), mask=mask)
 
 
 @fast_launch
@@ -68,7 +69,7 @@ def _swiglu_bwd_kernel(dhg_ptr, g_ptr, u_ptr, du_ptr, h_ptr, M, N, s_dhm, s_gm, 
     tl.store(tile_ptrs(du_ptr, offs_m, offs_n, s_om, 1), du.to(du_ptr.dtype.element_ty),
              mask=mask)
     tl.store(tile_ptrs(h_ptr, offs_m, offs_n, s_om, 1),
-             _swiglu(g, u).to(h_ptr.dtype.element_ty), mask=mask)
+             swiglu_value(g, u).to(h_ptr.dtype.element_ty), mask=mask)
 
 
 # The elementwise passes' tile: 8K elements, 32 per thread at 8 warps (gelu_bwd's).
@@ -85,7 +86,17 @@ def _pass_plan(M: int, N: int, g: torch.Tensor) -> tuple[tuple[int, int], dict]:
 def swiglu_fwd(x: torch.Tensor, gate_weight: torch.Tensor, up_weight: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x: (M, K), gate_weight, up_weight: (N, K) -> (g, u, h), each (M, N) in x's dtype:
-    g = x @ gate_weight.T, u = x @ up_weight.T, h = silu(g) * u."""
+    g = x @ gate_weight.T, u = x @ up_weight.T, h = silu(g) * u: one Gluon GEMM with the
+    activation in its epilogue on an sm_90 GPU up to K = 1024, else two cuBLAS GEMMs and
+    an activation pass. H100, M = 16384, forward: 0.200 against 0.237 ms at (768 -> 2048),
+    4.73 against 4.68 at (4096 -> 11008) (`swiglu-gluon-h100.json`)."""
+    if (x.shape[1] <= 1024 and gate_weight.shape[0] % 8 == 0
+            and gluon_ok(x, gate_weight, up_weight)):
+        from fusedtrain.kernels import swiglu_gluon  # Gluon: imported where it compiles
+
+        g, u, h = (x.new_empty((x.shape[0], gate_weight.shape[0])) for _ in range(3))
+        swiglu_gluon.swiglu_fwd(x, gate_weight, up_weight, g, u, h)
+        return g, u, h
     g, u = torch.mm(x, gate_weight.t()), torch.mm(x, up_weight.t())
     M, N = g.shape
     h = torch.empty_like(g)
