@@ -36,6 +36,7 @@ from fusedtrain.kernels._gemm import (
 from fusedtrain.kernels._launch import fast_launch
 from fusedtrain.kernels._primitives import cdiv, device_fn, pick3, sin_cos
 from fusedtrain.kernels._tma import (
+    GLUON_EPILOGUE_MAX_K,
     TmaConfig,
     column_halves,
     column_join,
@@ -436,10 +437,8 @@ def qkv_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n_
     freq = inv_freq(D, rope_base, x.device, stat_dtype(x)) if rope else x
     pos = positions.contiguous() if positions is not None else x  # read only when given
     if tma_ok(x, weight) and (B == 1 or x.stride(0) == T * x.stride(1)):
-        # The Gluon kernel where measured faster (H100, forward, against the TMA kernel):
-        # 2.7-4.5% at C = 768 (12 / 12 and 12 / 4 heads), equal at 1024; 3.7-5.4% slower
-        # at 2048 (16 / 16, 16 / 4) and 2.3% at 4096 (32 / 8).
-        if config is None and C <= 1024 and gluon_ok(x, weight):
+        # The Gluon kernel where measured faster (see GLUON_EPILOGUE_MAX_K).
+        if config is None and C <= GLUON_EPILOGUE_MAX_K and gluon_ok(x, weight):
             from fusedtrain.kernels import qkv_gluon  # Gluon: imported where it compiles
             if qkv_gluon.fits(T, C, CKV, D):
                 qkv_gluon.qkv_fwd(x.reshape(M, C), weight, bias, q, k, v,
