@@ -6,6 +6,7 @@ train` runs it; parity.py and profile.py build their runs on train_setup."""
 from __future__ import annotations
 
 import contextlib
+import math
 import re
 import signal
 import time
@@ -314,6 +315,7 @@ def run_train(args, save=lambda results: None) -> dict:
         variants = {k: v for k, v in variants.items() if k in args.variants}
     _import_before_time_limits(compiled=any(v["compile"] for v in variants.values()))
     results = {}
+    stopped = None  # the first variant its time limit stopped
     for name, v in variants.items():
         t0 = time.time()
         limit = _TimeLimit(args.variant_timeout)
@@ -334,6 +336,18 @@ def run_train(args, save=lambda results: None) -> dict:
             # ran on: over its limit all the same, so not a figure to compare.
             results[name] = {"error": f"variant took longer than {limit.seconds} s "
                                       "(finished after its time limit)"}
+        r = results[name]
+        if "final_loss" in r and not math.isfinite(r["final_loss"]):
+            # Tokens/s of a diverged run times other arithmetic (NaNs, infinities).
+            results[name] = {"error": f"final loss {r['final_loss']}: not a figure",
+                             "discarded": r}
+        if stopped is not None:
+            # An alarm can stop a variant anywhere, a kernel's tuning or first call
+            # included: on an H100 a packed variant run after a stopped one ended at a
+            # NaN loss that a fresh process did not give (docs/journal.md).
+            results[name]["after_stopped_variant"] = stopped
+        if limit.expired and stopped is None:
+            stopped = name
         save(results)
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -383,6 +397,9 @@ def train_table(results: dict) -> str:
                      f"  {by_rate} ({by_median})")
     lines += [f"{name}: SDPA ran {', '.join(r['attention_kernels'])}"
               for name, r in results.items() if r.get("attention_kernels")]
+    lines += [f"{name}: ran after {r['after_stopped_variant']} was stopped in this process; "
+              "rerun it alone to trust it" for name, r in results.items()
+              if r.get("after_stopped_variant")]
     return "\n".join(lines)
 
 
