@@ -219,7 +219,10 @@ def main(argv=None) -> int:
         results = training.run_train(args, save)
         save(results)
         print(training.train_table(results))
-        training.plot_train(results, out / "train.png", training.train_chart_title(info))
+        if any("tokens_per_s" in r for r in results.values()):
+            training.plot_train(results, out / "train.png", training.train_chart_title(info))
+        else:
+            print("no variant gave a figure: no chart", flush=True)
         return 0
     if not torch.cuda.is_available():
         print("bench.py kernels needs a CUDA GPU", file=sys.stderr)
