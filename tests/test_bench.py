@@ -574,3 +574,10 @@ def test_packed_variant_trains_on_the_windows_documents():
     targets, cu = training._documents(batch)
     assert targets.tolist() == [[0, -100, 8, 0], [2, 0, -100, -100]]
     assert cu.tolist() == [0, 2, 4, 7, 8]
+
+
+def test_no_chart_where_no_variant_gave_a_figure(tmp_path):
+    from fusedtrain.bench import training
+
+    assert not training.plot_train({"fused": {"error": "stopped"}}, tmp_path / "t.png", "t")
+    assert not (tmp_path / "t.png").exists()

@@ -415,15 +415,18 @@ def train_chart_title(info: dict) -> str:
             f"triton {info['triton']}, {info['date']}")
 
 
-def plot_train(results: dict, path: Path, title: str, reference: str = "compile-sdpa") -> None:
+def plot_train(results: dict, path: Path, title: str, reference: str = "compile-sdpa") -> bool:
     """Bars of tokens/s (each labelled with its ratio to `reference` where that ran, and
-    the median SM clock where sampled) and peak memory per variant."""
+    the median SM clock where sampled) and peak memory per variant; False, and no chart,
+    where no variant gave a figure."""
+    names = [k for k, r in results.items() if "tokens_per_s" in r]
+    if not names:
+        return False
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = [k for k, r in results.items() if "tokens_per_s" in r]
     fig, axes = plt.subplots(1, 2, figsize=(12, 0.4 * len(names) + 2), sharey=True)
     rates = [results[k]["tokens_per_s"] / 1e3 for k in names]
     axes[0].barh(names, rates, color="C0")
@@ -441,3 +444,5 @@ def plot_train(results: dict, path: Path, title: str, reference: str = "compile-
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
