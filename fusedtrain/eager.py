@@ -216,6 +216,31 @@ def qkv_attention(
                                            positions), causal, softmax_scale, window)
 
 
+def qkv_attention_varlen(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n_heads: int,
+    cu_seqlens: torch.Tensor, max_seqlen: int, causal: bool = True,
+    softmax_scale: float | None = None, window: tuple[int, int] | None = None,
+    n_kv_heads: int | None = None, rope_base: float | None = None,
+    positions: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """flash_attention_varlen of the projection x @ weight.T + bias of packed tokens: x:
+    (B, T, C), cu_seqlens over its B * T tokens, q and k rotated with a rope_base at
+    positions (B, T) (default each token's place in its sequence) -> o: (B * T, n_heads, D).
+    """
+    B, T, C = x.shape
+    D = C // n_heads
+    q, k, v = (t.reshape(B * T, -1, D) for t in F.linear(x, weight, bias).split(
+        _qkv_sizes(C, n_heads, n_kv_heads), dim=-1))
+    if rope_base is not None:
+        if positions is None:
+            positions = torch.cat([torch.arange(n, device=x.device)
+                                   for n in cu_seqlens.diff().tolist()])
+        q, k = (rotary(t.transpose(0, 1)[None], rope_base, positions.reshape(1, B * T))[0]
+                .transpose(0, 1) for t in (q, k))
+    return flash_attention_varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                                  causal, softmax_scale, window)
+
+
 def layer_norm(
     x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float = 1e-5
 ) -> torch.Tensor:

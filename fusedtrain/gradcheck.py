@@ -71,6 +71,10 @@ def op_cases(device: str) -> dict[str, list[tuple[str, Callable[[], tuple]]]]:
                                                            r(2, 2, 13, 16)))))
     cases["attention"].append(("qkv_attention", lambda: (
         lambda *t: ops.qkv_attention(*t, 3), (r(2, 5, 12), r(36, 12), r(36)))))
+    cu = torch.tensor([0, 3, 3, 7, 10], device=device, dtype=torch.int32)  # one empty
+    cases["attention"].append(("qkv_attention_varlen[grouped, rope]", lambda: (
+        lambda *t: ops.qkv_attention_varlen(*t, 3, cu, 4, n_kv_heads=1, rope_base=500.0),
+        (r(2, 5, 12), r(20, 12), r(20)))))
     cases["layernorm"].append(("rms_norm", lambda: (ops.rms_norm, (r(3, 5, 13), r(13)))))
     cases["layernorm"].append(("add_rms_norm", lambda: (
         ops.add_rms_norm, (r(3, 5, 13), r(3, 5, 13), r(13)))))

@@ -106,16 +106,16 @@ class CausalSelfAttention(nn.Module):
     tokens before it (default: all before it). rope_base: rotary embeddings on q and k
     (ops.rotary), at the tokens' positions (restarting per document with `docs`).
     fused_qkv: `ops.qkv_projection` (one Triton GEMM writing q, k, v as (B, H, T, D), q
-    and k rotated in its epilogue; for packed rows, `ops.linear`, views and `ops.rotary`),
-    and the output projection is `ops.linear` (grouped casts, the column-sum kernel's bias
-    gradient); else one linear + split, and nn.Linear.
+    and k rotated in its epilogue), and the output projection is `ops.linear` (grouped
+    casts, the column-sum kernel's bias gradient); else one linear + split, and nn.Linear.
     fused_attention: Triton flash attention; else `eager_attention`, "math" (the
     (T, T) matrix in memory) or "sdpa" (PyTorch's scaled_dot_product_attention).
     Both fused: one op (`ops.qkv_attention`), whose attention backward also sums the
     projection's bias gradient with equal head counts and no rope.
     With `docs` (packed rows, documents.Documents) no token sees another document's:
-    fused, `ops.flash_attention_varlen` over the batch's flattened tokens; else the
-    eager attention with docs.seen as its mask.
+    `ops.flash_attention_varlen` over the batch's flattened tokens (both fused: one op,
+    `ops.qkv_attention_varlen`, its attention gradients written into the projection's);
+    else the eager attention with docs.seen as its mask.
     """
 
     def __init__(
@@ -157,23 +157,11 @@ class CausalSelfAttention(nn.Module):
         return F.linear(y, self.c_proj.weight, bias)
 
     def _project(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
-                 positions: torch.Tensor | None = None, token_major: bool = False
-                 ) -> tuple[torch.Tensor, ...]:
+                 positions: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
         """x (B, T, C) -> q (B, n_head, T, D), k, v (B, n_kv_head, T, D), q and k rotated
-        at `positions` (default t) with a rope_base. token_major: views of one (B, T, ...)
-        tensor (packing the tokens is then a view too), never the head-split GEMM's
-        (B, H, T, D) output."""
+        at `positions` (default t) with a rope_base. The eager projection's are views of
+        one (B, T, ...) tensor (packing the tokens is then a view too)."""
         positions = None if self.rope_base is None else positions
-        if self.fused_qkv and token_major:  # ops.linear and views instead
-            fused = _fused_ops()
-            B, T, C = x.shape
-            D = C // self.n_head
-            q, k, v = (t.view(B, T, -1, D).transpose(1, 2) for t in fused.linear(x, w, b).split(
-                [C, self.n_kv_head * D, self.n_kv_head * D], dim=-1))
-            if self.rope_base is None:
-                return q, k, v
-            return (fused.rotary(q, self.rope_base, positions),
-                    fused.rotary(k, self.rope_base, positions), v)
         project = (_fused_ops().qkv_projection if self.fused_qkv
                    else eager.qkv_projection_packed)
         return project(x, w, b, self.n_head, self.n_kv_head, self.rope_base, positions)
@@ -205,7 +193,13 @@ class CausalSelfAttention(nn.Module):
                             docs: Documents) -> torch.Tensor:
         """x (B, T, C) -> each document's attention on its own: (B, T, C)."""
         B, T, C = x.shape
-        q, k, v = self._project(x, w, b, docs.positions, token_major=True)
+        if self.fused_qkv and self.fused_attention:  # one op: dq, dk, dv in one buffer
+            rope = self.rope_base is not None
+            return _fused_ops().qkv_attention_varlen(
+                x, w, b, self.n_head, docs.cu_seqlens, T, causal=True, window=self.window,
+                n_kv_heads=self.n_kv_head, rope_base=self.rope_base,
+                positions=docs.positions if rope else None).view(B, T, C)
+        q, k, v = self._project(x, w, b, docs.positions)
         if self.fused_attention:
             cu = docs.cu_seqlens
             o = _fused_ops().flash_attention_varlen(

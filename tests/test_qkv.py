@@ -404,3 +404,100 @@ def test_gpu_tma_weight_gradient_matches_fp64(B, T, C, H, monkeypatch):
     want = packed.double().T @ x.double().reshape(B * T, C)
     got = K.qkv_dw(*grads, x, torch.float32)
     assert (got.double() - want).abs().max() <= 1e-4 * want.abs().max()
+
+
+# ops.qkv_attention_varlen: the projection and the packed-documents attention as one op,
+# the attention's gradients written side by side into the projection's output gradient.
+
+_CU = [0, 4, 4, 5, 11, 12]  # documents of 4, 0, 1, 6 and 1 tokens over 2 rows of 6
+
+
+@pytest.mark.parametrize("kw", [{}, dict(n_kv_heads=1, rope_base=100.0),
+                                dict(n_kv_heads=2, rope_base=100.0, positions="given",
+                                     window=(2, 0))])
+def test_qkv_attention_varlen_matches_the_twin(kw):
+    """Empty and one-token documents, one crossing a row, grouped heads, rotation at each
+    document's own positions (the default) and at given ones, a window: equal to the twin
+    (a linear, views, the rotation and the per-document attention)."""
+    x, w, b, fn, twin = _packed_attention(kw)
+    (o,), grads, g = grads_of(fn, (x, w, b))
+    (ref,), ref_grads, _ = grads_of(twin, (x, w, b), g)
+    assert o.shape == (12, 4, 2)
+    for a, r in zip((o, *grads), (ref, *ref_grads)):
+        torch.testing.assert_close(a, r, rtol=1e-9, atol=1e-9)
+
+
+def test_qkv_attention_varlen_gradcheck():
+    x, w, b, fn, _ = _packed_attention(dict(n_kv_heads=2, rope_base=100.0, window=(2, 0)))
+    assert gradcheck(fn, (x, w, b), fast_mode=True)
+
+
+def test_qkv_attention_varlen_backward_concatenates_nothing():
+    """Without rotation the three gradients are written into one buffer: no aten.cat in
+    the backward (ops.linear, views and flash_attention_varlen composed make one)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Cats(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Cats.count += func is torch.ops.aten.cat.default
+            return func(*args, **(kwargs or {}))
+
+    x, w, b, fn, _ = _packed_attention(dict(n_kv_heads=2))
+    o = fn(x, w, b)
+    with Cats():
+        o.sum().backward()
+    assert Cats.count == 0
+
+
+def test_qkv_attention_varlen_bad_inputs():
+    x, w, b, _, _ = _packed_attention({})
+    cu = torch.tensor(_CU, dtype=torch.int32)
+    with pytest.raises(ValueError, match="cu_seqlens_q"):  # ends short of B * T = 12
+        ops.qkv_attention_varlen(x, w, b, 4, cu[:-1], 6)
+    with pytest.raises(ValueError, match="cu_seqlens_q"):  # a document of 6 past max_seqlen
+        ops.qkv_attention_varlen(x, w, b, 4, cu, 5)
+    with pytest.raises(TypeError, match="cu_seqlens_q"):
+        ops.qkv_attention_varlen(x, w, b, 4, cu.long(), 6)
+    with pytest.raises(ValueError, match="positions"):
+        ops.qkv_attention_varlen(x, w, b, 4, cu, 6, positions=torch.zeros(2, 6).long())
+    with pytest.raises(ValueError, match="weight"):
+        ops.qkv_attention_varlen(x, w, b, 4, cu, 6, n_kv_heads=2)
+    with pytest.raises(ValueError, match="x"):
+        ops.qkv_attention_varlen(x[0], w, b, 4, cu, 6)
+
+
+def _packed_attention(kw):
+    """(x, w, b, op, eager twin) at B=2, T=6, 4 query heads of D=2 over _CU's documents."""
+    B, T, H, D = 2, 6, 4, 2
+    HK = kw.get("n_kv_heads", H)
+    if kw.get("positions") == "given":
+        kw = {**kw, "positions": torch.tensor([[3, 1, 2, 0, 1, 2], [5, 6, 0, 1, 2, 3]])}
+    cu = torch.tensor(_CU, dtype=torch.int32)
+    x, w, b = (t.requires_grad_() for t in _grouped_inputs(B, T, H, HK, D))
+    return (x, w, b, lambda *a: ops.qkv_attention_varlen(*a, H, cu, 6, **kw),
+            lambda *a: eager.qkv_attention_varlen(*a, H, cu, 6, **kw))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,T,C,H,HK,rope", [(16, 1024, 768, 12, 12, False),
+                                             (4, 2048, 2048, 16, 4, True)])
+def test_gpu_qkv_attention_varlen_bf16_within_eager_error(B, T, C, H, HK, rope):
+    """docs/design.md's rule against the fp64 twin at gpt2's packed training shape and a
+    grouped, rotated Llama-like one: documents of 1 to 1500 tokens, every row's start
+    among the sequence starts (as data.pack_collate's batches)."""
+    from fusedtrain.documents import documents
+
+    gen = torch.Generator().manual_seed(0)
+    starts = torch.randint(0, B * T, (8 * B,), generator=gen).int().cuda()
+    cu = documents(starts, B, T, eager=False).cu_seqlens
+    D = C // H
+    x = torch.randn(B, T, C, device="cuda")
+    w = torch.randn((H + 2 * HK) * D, C, device="cuda") / C ** 0.5
+    b = torch.randn(w.shape[0], device="cuda")
+    kw = dict(n_kv_heads=HK, rope_base=10000.0 if rope else None)
+    inputs = [t.bfloat16().requires_grad_() for t in (x, w, b)]
+    check_against_oracle(lambda *a: ops.qkv_attention_varlen(*a, H, cu, T, **kw),
+                         lambda *a: eager.qkv_attention_varlen(*a, H, cu, T, **kw), inputs,
+                         1e-2)

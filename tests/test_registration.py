@@ -59,6 +59,8 @@ def first_calls():
         cu = torch.tensor([0, 3, 3, 5], dtype=torch.int32)  # a packed batch, one empty
         losses.append(ops.flash_attention_varlen(
             leaf(5, 2, 8), leaf(5, 1, 8), leaf(5, 1, 8), cu, cu, 3, 3).sum())
+        losses.append(ops.qkv_attention_varlen(x[:1], leaf(2 * C, C), leaf(2 * C), 4, cu, 3,
+                                               n_kv_heads=2).sum())
         # Created last, so its backward runs first: the attention_bwd recorded is the one
         # that also sums a bias gradient.
         losses.append(ops.qkv_attention(x, leaf(3 * C, C), leaf(3 * C), H).sum())

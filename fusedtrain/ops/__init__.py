@@ -19,6 +19,7 @@ from fusedtrain.ops.linear import linear
 from fusedtrain.ops.linear_gelu import fused_mlp, linear_gelu
 from fusedtrain.ops.qkv import qkv_projection
 from fusedtrain.ops.qkv_attention import qkv_attention
+from fusedtrain.ops.qkv_attention_varlen import qkv_attention_varlen
 from fusedtrain.ops.rope import rotary
 from fusedtrain.ops.swiglu import swiglu_mlp
 
@@ -26,6 +27,6 @@ __all__ = [
     "add_layer_norm", "add_rms_norm", "cross_entropy", "describe", "embedding",
     "flash_attention", "flash_attention_varlen", "fused_mlp", "gpt_embedding", "layer_norm",
     "layer_norm_gelu", "layer_norm_stream", "linear", "linear_cross_entropy", "linear_gelu",
-    "qkv_attention", "qkv_projection", "register_inductor_fallbacks", "rms_norm", "rotary",
-    "swiglu_mlp", "trace_kernels",
+    "qkv_attention", "qkv_attention_varlen", "qkv_projection", "register_inductor_fallbacks",
+    "rms_norm", "rotary", "swiglu_mlp", "trace_kernels",
 ]

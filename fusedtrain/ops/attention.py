@@ -116,6 +116,35 @@ def _(do, q, k, v, *args):
     return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
 
 
+@launcher("attention_bwd_varlen_packed", traceable=True)
+def attention_bwd_varlen_packed(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor,
+                                lse: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                                max_seqlen_q: int, max_seqlen_k: int, causal: bool,
+                                softmax_scale: float, window_left: int, window_right: int,
+                                softcap: float) -> Tensor:
+    """attention_bwd_varlen's gradients side by side in one (N, H + 2 HK, D) buffer, [dq |
+    dk | dv] along the heads (q: (N, H, D), k, v: (N, HK, D)): a packed QKV projection's
+    output gradient, (N, (H + 2 HK) D), with no concatenation after the kernels."""
+    N, H, D = q.shape
+    HK = k.shape[1]
+    args = (cu_seqlens_q, cu_seqlens_k), (max_seqlen_q, max_seqlen_k)
+    if tracing():  # written views of one buffer do not survive functionalization: one copy
+        parts = tuple(torch.empty_like(t, memory_format=torch.contiguous_format)
+                      for t in (q, k, v))
+        KB.attention_bwd(do, q, k, v, o, lse, parts, causal, softmax_scale,
+                         (window_left, window_right), softcap, None, *args)
+        return torch.cat(parts, dim=1)
+    grads = q.new_empty((N, H + 2 * HK, D))
+    KB.attention_bwd(do, q, k, v, o, lse, grads.split([H, HK, HK], dim=1), causal,
+                     softmax_scale, (window_left, window_right), softcap, None, *args)
+    return grads
+
+
+@attention_bwd_varlen_packed.register_fake
+def _(do, q, k, v, *args):
+    return q.new_empty((q.shape[0], q.shape[1] + 2 * k.shape[1], q.shape[2]))
+
+
 def _attention_flops(q_shape, k_shape, causal: bool, matmuls: int) -> int:
     """matmuls (T, S)-shaped products of D: all of them without a mask, half under a
     causal one with T = S (masked blocks are skipped), counted whole otherwise."""
@@ -142,7 +171,8 @@ def _(q_shape, k_shape, v_shape, cu_q, cu_k, max_q, max_k, causal, *args, **kwar
     return _varlen_flops(q_shape, max_k, causal, matmuls=2)
 
 
-@register_flop_formula(torch.ops.fusedtrain.attention_bwd_varlen)
+@register_flop_formula([torch.ops.fusedtrain.attention_bwd_varlen,
+                        torch.ops.fusedtrain.attention_bwd_varlen_packed])
 def _(do_shape, q_shape, k_shape, v_shape, o_shape, lse_shape, cu_q, cu_k, max_q, max_k, causal,
       *args, **kwargs) -> int:
     return _varlen_flops(q_shape, max_k, causal, matmuls=5)
@@ -313,6 +343,37 @@ def _passed_before(cu_q: Tensor, cu_k: Tensor, sizes: tuple[int, ...]) -> bool:
             and seen[1:] == _value_check_mark(cu_q, cu_k, sizes))
 
 
+def checked_cu_seqlens(ref: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, Nq: int,
+                       Nk: int, max_seqlen_q: int, max_seqlen_k: int) -> None:
+    """A packed batch's sequence arguments checked (ValueError/TypeError naming them):
+    the max_seqlen_* ints, the cu_seqlens form (int32 1-D, on ref's device, one length)
+    and values (from 0, non-decreasing, ending at Nq and Nk, no sequence past max_seqlen_*):
+    one device-to-host read for each cu_seqlens pair and sizes (again after the tensors are
+    written; none under torch.compile or while a CUDA graph is captured)."""
+    for name, n in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ValueError(f"{name} must be a non-negative int, got {n!r}")
+    sizes = (Nq, Nk, max_seqlen_q, max_seqlen_k)
+    _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, ref)
+    _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, ref)
+    if cu_seqlens_q.shape != cu_seqlens_k.shape:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have one length (batch + 1); got "
+                         f"{cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}")
+    if (torch.compiler.is_compiling()
+            or (ref.is_cuda and torch.cuda.is_current_stream_capturing())
+            or _passed_before(cu_seqlens_q, cu_seqlens_k, sizes)):
+        return
+    bad_q, bad_k = torch.stack([_breaks_rules(cu_seqlens_q, Nq, max_seqlen_q),
+                                _breaks_rules(cu_seqlens_k, Nk, max_seqlen_k)]).tolist()
+    for name, is_bad, rows, longest in (("cu_seqlens_q", bad_q, Nq, max_seqlen_q),
+                                        ("cu_seqlens_k", bad_k, Nk, max_seqlen_k)):
+        if is_bad:
+            raise ValueError(f"{name} must start at 0, never decrease and end at {rows}, "
+                             f"with no sequence longer than {longest}")
+    cu_seqlens_q._fusedtrain_checked = (weakref.ref(cu_seqlens_k),
+                                        *_value_check_mark(cu_seqlens_q, cu_seqlens_k, sizes))
+
+
 def flash_attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
                            cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
                            causal: bool = True, softmax_scale: float | None = None,
@@ -327,35 +388,11 @@ def flash_attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     sequence longer than max_seqlen_*. Sequences of length 0 and 1 are allowed. causal,
     softmax_scale, window and softcap as flash_attention's, per sequence (masks aligned to
     each sequence's bottom right). -> o: (Nq, Hq, D).
-    The cu_seqlens rules are checked on their values: one device-to-host read for each
-    cu_seqlens pair and sizes (again after the tensors are written; none under
-    torch.compile or while a CUDA graph is captured).
+    The cu_seqlens rules are checked on their values (checked_cu_seqlens).
     """
-    for name, n in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
-        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-            raise ValueError(f"{name} must be a non-negative int, got {n!r}")
     q, k, v, scale, window, softcap = _checked_args(q, k, v, 3, softmax_scale, window, softcap)
-    Nq = q.shape[0]
-    sizes = (Nq, k.shape[0], max_seqlen_q, max_seqlen_k)
-    _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q)
-    _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, q)
-    if cu_seqlens_q.shape != cu_seqlens_k.shape:
-        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have one length (batch + 1); got "
-                         f"{cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}")
-    if not (torch.compiler.is_compiling()
-            or (q.is_cuda and torch.cuda.is_current_stream_capturing())
-            or _passed_before(cu_seqlens_q, cu_seqlens_k, sizes)):
-        bad_q, bad_k = torch.stack([_breaks_rules(cu_seqlens_q, Nq, max_seqlen_q),
-                                    _breaks_rules(cu_seqlens_k, k.shape[0], max_seqlen_k)]
-                                   ).tolist()
-        for name, is_bad, rows, longest in (("cu_seqlens_q", bad_q, Nq, max_seqlen_q),
-                                            ("cu_seqlens_k", bad_k, k.shape[0], max_seqlen_k)):
-            if is_bad:
-                raise ValueError(f"{name} must start at 0, never decrease and end at {rows}, "
-                                 f"with no sequence longer than {longest}")
-        cu_seqlens_q._fusedtrain_checked = (weakref.ref(cu_seqlens_k),
-                                            *_value_check_mark(cu_seqlens_q, cu_seqlens_k,
-                                                               sizes))
+    checked_cu_seqlens(q, cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q,
+                       max_seqlen_k)
     if q.numel() == 0 or k.shape[0] == 0 or max_seqlen_q == 0 or max_seqlen_k == 0:
         return q.new_zeros(q.shape)
     return _apply_flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k,
