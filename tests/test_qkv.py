@@ -485,8 +485,8 @@ def _packed_attention(kw):
                                              (4, 2048, 2048, 16, 4, True)])
 def test_gpu_qkv_attention_varlen_bf16_within_eager_error(B, T, C, H, HK, rope):
     """docs/design.md's rule against the fp64 twin at gpt2's packed training shape and a
-    grouped, rotated Llama-like one: documents of 1 to 1500 tokens, every row's start
-    among the sequence starts (as data.pack_collate's batches)."""
+    grouped, rotated Llama-like one: 8 B random document starts plus every row's start
+    (documents.documents, as the model's batches)."""
     from fusedtrain.documents import documents
 
     gen = torch.Generator().manual_seed(0)
