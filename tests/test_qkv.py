@@ -454,12 +454,14 @@ def test_qkv_attention_varlen_backward_concatenates_nothing():
 def test_qkv_attention_varlen_bad_inputs():
     x, w, b, _, _ = _packed_attention({})
     cu = torch.tensor(_CU, dtype=torch.int32)
-    with pytest.raises(ValueError, match="cu_seqlens_q"):  # ends short of B * T = 12
+    with pytest.raises(ValueError, match="cu_seqlens must start"):  # ends short of 12
         ops.qkv_attention_varlen(x, w, b, 4, cu[:-1], 6)
-    with pytest.raises(ValueError, match="cu_seqlens_q"):  # a document of 6 past max_seqlen
+    with pytest.raises(ValueError, match="cu_seqlens must start"):  # a document of 6 > 5
         ops.qkv_attention_varlen(x, w, b, 4, cu, 5)
-    with pytest.raises(TypeError, match="cu_seqlens_q"):
+    with pytest.raises(TypeError, match="cu_seqlens must be int32"):
         ops.qkv_attention_varlen(x, w, b, 4, cu.long(), 6)
+    with pytest.raises(ValueError, match="max_seqlen must"):
+        ops.qkv_attention_varlen(x, w, b, 4, cu, -1)
     with pytest.raises(ValueError, match="positions"):
         ops.qkv_attention_varlen(x, w, b, 4, cu, 6, positions=torch.zeros(2, 6).long())
     with pytest.raises(ValueError, match="weight"):

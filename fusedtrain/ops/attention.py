@@ -344,18 +344,21 @@ def _passed_before(cu_q: Tensor, cu_k: Tensor, sizes: tuple[int, ...]) -> bool:
 
 
 def checked_cu_seqlens(ref: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, Nq: int,
-                       Nk: int, max_seqlen_q: int, max_seqlen_k: int) -> None:
-    """A packed batch's sequence arguments checked (ValueError/TypeError naming them):
-    the max_seqlen_* ints, the cu_seqlens form (int32 1-D, on ref's device, one length)
-    and values (from 0, non-decreasing, ending at Nq and Nk, no sequence past max_seqlen_*):
-    one device-to-host read for each cu_seqlens pair and sizes (again after the tensors are
-    written; none under torch.compile or while a CUDA graph is captured)."""
-    for name, n in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+                       Nk: int, max_seqlen_q: int, max_seqlen_k: int,
+                       names: tuple[str, str] = ("_q", "_k")) -> None:
+    """A packed batch's sequence arguments checked (ValueError/TypeError naming them, as
+    cu_seqlens and max_seqlen with the suffixes in `names`): the max_seqlen ints, the
+    cu_seqlens form (int32 1-D, on ref's device, one length) and values (from 0,
+    non-decreasing, ending at Nq and Nk, no sequence past max_seqlen): one device-to-host
+    read for each cu_seqlens pair and sizes (again after the tensors are written; none
+    under torch.compile or while a CUDA graph is captured)."""
+    for name, n in ((f"max_seqlen{names[0]}", max_seqlen_q),
+                    (f"max_seqlen{names[1]}", max_seqlen_k)):
         if not isinstance(n, int) or isinstance(n, bool) or n < 0:
             raise ValueError(f"{name} must be a non-negative int, got {n!r}")
     sizes = (Nq, Nk, max_seqlen_q, max_seqlen_k)
-    _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, ref)
-    _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, ref)
+    _check_cu_seqlens(f"cu_seqlens{names[0]}", cu_seqlens_q, ref)
+    _check_cu_seqlens(f"cu_seqlens{names[1]}", cu_seqlens_k, ref)
     if cu_seqlens_q.shape != cu_seqlens_k.shape:
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have one length (batch + 1); got "
                          f"{cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}")
@@ -365,8 +368,8 @@ def checked_cu_seqlens(ref: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, 
         return
     bad_q, bad_k = torch.stack([_breaks_rules(cu_seqlens_q, Nq, max_seqlen_q),
                                 _breaks_rules(cu_seqlens_k, Nk, max_seqlen_k)]).tolist()
-    for name, is_bad, rows, longest in (("cu_seqlens_q", bad_q, Nq, max_seqlen_q),
-                                        ("cu_seqlens_k", bad_k, Nk, max_seqlen_k)):
+    for name, is_bad, rows, longest in ((f"cu_seqlens{names[0]}", bad_q, Nq, max_seqlen_q),
+                                        (f"cu_seqlens{names[1]}", bad_k, Nk, max_seqlen_k)):
         if is_bad:
             raise ValueError(f"{name} must start at 0, never decrease and end at {rows}, "
                              f"with no sequence longer than {longest}")

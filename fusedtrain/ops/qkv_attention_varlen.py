@@ -113,7 +113,8 @@ def qkv_attention_varlen(x: Tensor, weight: Tensor, bias: Tensor | None, n_heads
     D = C // H
     scale = checked_scale(D, softmax_scale)
     window = checked_window(window)
-    checked_cu_seqlens(x, cu_seqlens, cu_seqlens, B * T, B * T, max_seqlen, max_seqlen)
+    checked_cu_seqlens(x, cu_seqlens, cu_seqlens, B * T, B * T, max_seqlen, max_seqlen,
+                       names=("", ""))
     if positions is not None and rope_base is None:
         raise ValueError("positions are read only with rope_base (rotary embeddings)")
     if rope_base is not None:
