@@ -32,6 +32,21 @@ def weight_grad(dy2: Tensor, x2: Tensor, dtype: torch.dtype) -> Tensor:
     return (dy2.t() @ x2).to(dtype)
 
 
+def linear_grads(dy: Tensor, x: Tensor, weight: Tensor,
+                 dtypes: tuple[torch.dtype, torch.dtype | None], wanted: tuple[bool, ...]
+                 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """y = x @ weight.T + b's gradients from dy (..., N), x (..., K): dx in x's shape, dW
+    and db in dtypes (the weight's and the bias's; None: no bias), each None where
+    `wanted` (x, weight, bias) says so."""
+    dy2 = dy.reshape(-1, dy.shape[-1])
+    want_x, want_w, want_b = wanted
+    w_dtype, b_dtype = dtypes
+    dx = (dy2 @ weight).view(x.shape) if want_x else None
+    dw = weight_grad(dy2, x.reshape(-1, x.shape[-1]), w_dtype) if want_w else None
+    db = column_sums(dy2, b_dtype) if b_dtype is not None and want_b else None
+    return dx, dw, db
+
+
 class LinearFunction(torch.autograd.Function):
     """compute_dtype: cast weight and bias to it here (None: they arrive in x's dtype);
     their gradients leave in their own dtypes (fusedtrain.casts)."""
@@ -47,13 +62,7 @@ class LinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: Tensor):
         x, weight = ctx.saved_tensors
-        w_dtype, b_dtype = ctx.dtypes
-        dy2 = dy.reshape(-1, dy.shape[-1])
-        want_x, want_w, want_b, _ = ctx.needs_input_grad
-        dx = (dy2 @ weight).view(x.shape) if want_x else None
-        dw = weight_grad(dy2, x.reshape(-1, x.shape[-1]), w_dtype) if want_w else None
-        db = column_sums(dy2, b_dtype) if b_dtype is not None and want_b else None
-        return dx, dw, db, None
+        return (*linear_grads(dy, x, weight, ctx.dtypes, ctx.needs_input_grad[:3]), None)
 
 
 # compute_dtype follows from a replay's key (autocast, the dtypes): a replayed call does

@@ -24,8 +24,7 @@ from fusedtrain.ops.attention import (
     checked_scale,
     checked_window,
 )
-from fusedtrain.ops.bias_grad import column_sums
-from fusedtrain.ops.linear import weight_grad
+from fusedtrain.ops.linear import linear_grads
 from fusedtrain.ops.qkv import checked_args
 from fusedtrain.ops.rope import _rope, checked_rope
 
@@ -73,19 +72,14 @@ class QKVAttentionVarlenFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do: Tensor):
         x, weight, q, k, v, o, lse, cu, positions = ctx.saved_tensors
-        w_dtype, b_dtype = ctx.dtypes
         g = attention_bwd_varlen_packed(do, q, k, v, o, lse, cu, cu, *ctx.args)
         if ctx.rope_base is not None:
             dq, dk, dv = g.split([q.shape[1], k.shape[1], k.shape[1]], dim=1)
             dq, dk = (_rope(_head_major(t), ctx.rope_base, positions, True)[0].transpose(0, 1)
                       for t in (dq, dk))
             g = torch.cat([dq, dk, dv], dim=1)
-        g2, x2 = g.view(g.shape[0], -1), x.reshape(g.shape[0], -1)
-        want_x, want_w, want_b = ctx.needs_input_grad[:3]
-        dx = (g2 @ weight).view(x.shape) if want_x else None
-        dw = weight_grad(g2, x2, w_dtype) if want_w else None
-        db = column_sums(g2, b_dtype) if b_dtype is not None and want_b else None
-        return (dx, dw, db, *(None,) * 9)
+        return (*linear_grads(g.view(g.shape[0], -1), x, weight, ctx.dtypes,
+                              ctx.needs_input_grad[:3]), *(None,) * 9)
 
 
 _apply_qkv_attention_varlen = function_apply(QKVAttentionVarlenFunction)
