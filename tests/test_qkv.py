@@ -432,9 +432,11 @@ def test_qkv_attention_varlen_gradcheck():
     assert gradcheck(fn, (x, w, b), fast_mode=True)
 
 
-def test_qkv_attention_varlen_backward_concatenates_nothing():
-    """Without rotation the three gradients are written into one buffer: no aten.cat in
-    the backward (ops.linear, views and flash_attention_varlen composed make one)."""
+@pytest.mark.parametrize("kw", [dict(n_kv_heads=2), dict(rope_base=100.0)])
+def test_qkv_attention_varlen_backward_concatenates_nothing(kw):
+    """The three gradients are written into one buffer, dq and dk rotated back in place:
+    no aten.cat in the backward (ops.linear, views and flash_attention_varlen composed
+    make one)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Cats(TorchDispatchMode):
@@ -444,7 +446,7 @@ def test_qkv_attention_varlen_backward_concatenates_nothing():
             Cats.count += func is torch.ops.aten.cat.default
             return func(*args, **(kwargs or {}))
 
-    x, w, b, fn, _ = _packed_attention(dict(n_kv_heads=2))
+    x, w, b, fn, _ = _packed_attention(kw)
     o = fn(x, w, b)
     with Cats():
         o.sum().backward()

@@ -10,6 +10,7 @@ from torch.utils.flop_counter import register_flop_formula
 
 from fusedtrain.kernels import attention as K
 from fusedtrain.kernels import attention_bwd as KB
+from fusedtrain.kernels import rope as KR
 from fusedtrain.kernels._device import stat_dtype
 from fusedtrain.kernels._launch import tracing
 from fusedtrain.ops._registry import function_apply, launcher
@@ -121,23 +122,28 @@ def attention_bwd_varlen_packed(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: 
                                 lse: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                                 max_seqlen_q: int, max_seqlen_k: int, causal: bool,
                                 softmax_scale: float, window_left: int, window_right: int,
-                                softcap: float) -> Tensor:
+                                softcap: float, rope_base: float | None,
+                                positions: Tensor | None) -> Tensor:
     """attention_bwd_varlen's gradients side by side in one (N, H + 2 HK, D) buffer, [dq |
     dk | dv] along the heads (q: (N, H, D), k, v: (N, HK, D)): a packed QKV projection's
-    output gradient, (N, (H + 2 HK) D), with no concatenation after the kernels."""
+    output gradient, (N, (H + 2 HK) D), with no concatenation after the kernels. With a
+    rope_base, dq and dk are rotated back in place (q and k were rotated at positions:
+    (1, N) ints), the gradient of the projection before its rotation."""
     N, H, D = q.shape
     HK = k.shape[1]
     args = (cu_seqlens_q, cu_seqlens_k), (max_seqlen_q, max_seqlen_k)
     if tracing():  # written views of one buffer do not survive functionalization: one copy
-        parts = tuple(torch.empty_like(t, memory_format=torch.contiguous_format)
-                      for t in (q, k, v))
-        KB.attention_bwd(do, q, k, v, o, lse, parts, causal, softmax_scale,
-                         (window_left, window_right), softcap, None, *args)
-        return torch.cat(parts, dim=1)
-    grads = q.new_empty((N, H + 2 * HK, D))
-    KB.attention_bwd(do, q, k, v, o, lse, grads.split([H, HK, HK], dim=1), causal,
-                     softmax_scale, (window_left, window_right), softcap, None, *args)
-    return grads
+        parts = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v)]
+    else:
+        grads = q.new_empty((N, H + 2 * HK, D))
+        parts = grads.split([H, HK, HK], dim=1)
+    KB.attention_bwd(do, q, k, v, o, lse, parts, causal, softmax_scale,
+                     (window_left, window_right), softcap, None, *args)
+    if rope_base is not None:
+        for t in parts[:2]:  # each program reads both halves of its rows before writing them
+            head_major = t.transpose(0, 1)[None]
+            KR.rope(head_major, rope_base, positions, inverse=True, out=head_major)
+    return torch.cat(parts, dim=1) if tracing() else grads
 
 
 @attention_bwd_varlen_packed.register_fake

@@ -7,7 +7,7 @@ split backward): at gpt2's B = 16, T = 1024 that is 150 MB moved a layer. Here t
 attention's backward kernels write dq, dk and dv side by side in that gradient
 (attention_bwd_varlen_packed), and the projection's backward reads it whole. With a
 rope_base, q and k are rotated into their own tensors in the forward, and their gradients
-rotated back and concatenated in the backward (that copy stays).
+rotated back in place in that buffer.
 """
 
 from __future__ import annotations
@@ -72,12 +72,8 @@ class QKVAttentionVarlenFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do: Tensor):
         x, weight, q, k, v, o, lse, cu, positions = ctx.saved_tensors
-        g = attention_bwd_varlen_packed(do, q, k, v, o, lse, cu, cu, *ctx.args)
-        if ctx.rope_base is not None:
-            dq, dk, dv = g.split([q.shape[1], k.shape[1], k.shape[1]], dim=1)
-            dq, dk = (_rope(_head_major(t), ctx.rope_base, positions, True)[0].transpose(0, 1)
-                      for t in (dq, dk))
-            g = torch.cat([dq, dk, dv], dim=1)
+        g = attention_bwd_varlen_packed(do, q, k, v, o, lse, cu, cu, *ctx.args, ctx.rope_base,
+                                        positions)
         return (*linear_grads(g.view(g.shape[0], -1), x, weight, ctx.dtypes,
                               ctx.needs_input_grad[:3]), *(None,) * 9)
 
