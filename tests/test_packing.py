@@ -48,7 +48,10 @@ def test_documents_positions_and_mask_restart_at_documents_and_rows():
     B, T, window = 2, 8, 2
     cu = torch.tensor([0, 3, 3, 11, 14, 99], dtype=torch.int32)  # 8 missing; 99 clamped to 16
     docs = documents(cu, B, T, window)
-    assert docs.cu_seqlens.tolist() == [0, 0, 3, 3, 8, 11, 14, 16, 16]
+    assert docs.cu_seqlens.tolist() == [0, 0, 3, 3, 8, 11, 14, 16, 16, *[16] * 7]
+    for extra in range(8):  # 0..7 more documents: one length of cu_seqlens
+        more = torch.cat([cu, torch.full((extra,), 5, dtype=torch.int32)])
+        assert documents(more, B, T).cu_seqlens.shape == (16,)
     assert docs.positions.tolist() == [[0, 1, 2, 0, 1, 2, 3, 4], [0, 1, 2, 0, 1, 2, 0, 1]]
     start = torch.tensor([[0, 0, 0, 3, 3, 3, 3, 3], [0, 0, 0, 3, 3, 3, 6, 6]])
     expected = torch.zeros(B, 1, T, T, dtype=torch.bool)
