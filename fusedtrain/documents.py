@@ -7,6 +7,8 @@ from typing import NamedTuple
 
 import torch
 
+from fusedtrain.ops.attention import vouch_cu_seqlens
+
 Tensor = torch.Tensor
 
 
@@ -37,8 +39,8 @@ def documents(cu_seqlens: Tensor, rows: int, length: int, window: int | None = N
     tokens (data.pack_collate's) -> Documents. Every row's start is added (zero-length
     documents, where it is already one, cost the kernels nothing), values are clamped
     to [0, rows * length] and the end repeated up to the multiple, so the result follows
-    the varlen rules for any input, with no device-to-host read. window: each token sees
-    itself and this many before it."""
+    the varlen rules for any input: the attention ops are told so (vouch_cu_seqlens) and
+    read none of its values. window: each token sees itself and this many before it."""
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype != torch.int32:
         raise TypeError(f"cu_seqlens must be an int32 tensor, got "
                         f"{getattr(cu_seqlens, 'dtype', type(cu_seqlens).__name__)}")
@@ -49,6 +51,7 @@ def documents(cu_seqlens: Tensor, rows: int, length: int, window: int | None = N
     pad = -(cu_seqlens.shape[0] + row_starts.shape[0]) % SEQUENCE_MULTIPLE
     cu = torch.cat([cu_seqlens.clamp(0, n), row_starts, row_starts.new_full((pad,), n)])
     cu = cu.sort().values
+    vouch_cu_seqlens(cu, n, length)
     token = torch.arange(n, device=device, dtype=torch.int32)
     doc = torch.searchsorted(cu, token, right=True) - 1  # the last start at or before it
     positions = (token - cu[doc]).view(rows, length).long()

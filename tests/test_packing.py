@@ -65,6 +65,28 @@ def test_documents_positions_and_mask_restart_at_documents_and_rows():
         documents(cu.long(), B, T)
 
 
+def test_documents_cu_seqlens_are_read_by_no_attention_op(monkeypatch):
+    """documents' cu_seqlens is valid by construction: flash_attention_varlen reads none
+    of its values (no device-to-host wait a step), until it is written; a copy of it is
+    read, and a bad one still refused."""
+    from fusedtrain import ops
+    from fusedtrain.ops import attention
+
+    reads = []
+    breaks = attention._breaks_rules
+    monkeypatch.setattr(attention, "_breaks_rules", lambda *a: reads.append(1) or breaks(*a))
+    B, T = 2, 8
+    cu = documents(torch.tensor([0, 3, 11], dtype=torch.int32), B, T, eager=False).cu_seqlens
+    q = torch.randn(B * T, 2, 4, dtype=torch.float64)
+    ops.flash_attention_varlen(q, q, q, cu, cu, T, T)
+    assert reads == []
+    ops.flash_attention_varlen(q, q, q, cu.clone(), cu.clone(), T, T)
+    assert len(reads) == 2
+    cu[-1] = 3  # written: checked again, and refused
+    with pytest.raises(ValueError, match="cu_seqlens_q must start at 0"):
+        ops.flash_attention_varlen(q, q, q, cu, cu, T, T)
+
+
 LLAMA = dict(n_kv_head=2, bias=False, norm="rmsnorm", mlp="swiglu", mlp_hidden=48, pos="rope",
              tie_head=False)
 
