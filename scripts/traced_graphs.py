@@ -134,6 +134,9 @@ CASES = {
     "attention_bwd_varlen_packed": (ATT.attention_bwd_varlen_packed, lambda: (
         *_packed(12, 12, 4, 4, 12), _t(3, 12, 300, dtype=F32), *_cu(), 300, 300, True, 0.125,
         -1, -1, 0.0, None, None), _CU),
+    "attention_bwd_varlen_packed_rope": (ATT.attention_bwd_varlen_packed, lambda: (
+        *_packed(12, 12, 4, 4, 12), _t(3, 12, 300, dtype=F32), *_cu(), 300, 300, True, 0.125,
+        -1, -1, 0.0, 10000.0, _ids(1, 600)), _CU),
     "linear_gelu_fwd": (LG._linear_gelu_fwd, lambda: (
         _t(256, 768), _t(3072, 768), _t(3072), "tanh"), _NONE),
     "linear_gelu_infer": (LG._linear_gelu_infer, lambda: (

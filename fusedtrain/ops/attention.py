@@ -132,18 +132,21 @@ def attention_bwd_varlen_packed(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: 
     N, H, D = q.shape
     HK = k.shape[1]
     args = (cu_seqlens_q, cu_seqlens_k), (max_seqlen_q, max_seqlen_k)
-    if tracing():  # written views of one buffer do not survive functionalization: one copy
+    traced = tracing()  # written views of one buffer do not survive functionalization
+    if traced:
         parts = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v)]
     else:
         grads = q.new_empty((N, H + 2 * HK, D))
-        parts = grads.split([H, HK, HK], dim=1)
+        parts = list(grads.split([H, HK, HK], dim=1))
     KB.attention_bwd(do, q, k, v, o, lse, parts, causal, softmax_scale,
                      (window_left, window_right), softcap, None, *args)
-    if rope_base is not None:
-        for t in parts[:2]:  # each program reads both halves of its rows before writing them
-            head_major = t.transpose(0, 1)[None]
-            KR.rope(head_major, rope_base, positions, inverse=True, out=head_major)
-    return torch.cat(parts, dim=1) if tracing() else grads
+    if rope_base is None:
+        return torch.cat(parts, dim=1) if traced else grads
+    for i in (0, 1):  # in place outside tracing: a program reads its rows before writing
+        head_major = parts[i].transpose(0, 1).unsqueeze(0)
+        out = KR.rope(head_major, rope_base, positions, True, None if traced else head_major)
+        parts[i] = out.squeeze(0).transpose(0, 1)
+    return torch.cat(parts, dim=1) if traced else grads
 
 
 @attention_bwd_varlen_packed.register_fake
