@@ -137,16 +137,23 @@ def attention_bwd_varlen_packed(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: 
         parts = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v)]
     else:
         grads = q.new_empty((N, H + 2 * HK, D))
-        parts = list(grads.split([H, HK, HK], dim=1))
+        parts = grads.split([H, HK, HK], dim=1)
     KB.attention_bwd(do, q, k, v, o, lse, parts, causal, softmax_scale,
                      (window_left, window_right), softcap, None, *args)
-    if rope_base is None:
-        return torch.cat(parts, dim=1) if traced else grads
-    for i in (0, 1):  # in place outside tracing: a program reads its rows before writing
-        head_major = parts[i].transpose(0, 1).unsqueeze(0)
-        out = KR.rope(head_major, rope_base, positions, True, None if traced else head_major)
-        parts[i] = out.squeeze(0).transpose(0, 1)
+    if rope_base is not None and traced:
+        parts[:2] = [KR.rope(head_major(t), rope_base, positions, True).squeeze(0)
+                     .transpose(0, 1) for t in parts[:2]]
+    elif rope_base is not None:
+        # dq and dk adjacent: one launch, in place (a program reads its rows before writing)
+        dqk = head_major(grads[:, :H + HK])
+        KR.rope(dqk, rope_base, positions, True, dqk)
     return torch.cat(parts, dim=1) if traced else grads
+
+
+def head_major(t: Tensor) -> Tensor:
+    """Packed (N, H, D) -> the (1, H, N, D) view the rotary kernel reads (one row of N
+    tokens)."""
+    return t.transpose(0, 1).unsqueeze(0)
 
 
 @attention_bwd_varlen_packed.register_fake
@@ -382,8 +389,12 @@ def checked_cu_seqlens(ref: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, 
         if is_bad:
             raise ValueError(f"{name} must start at 0, never decrease and end at {rows}, "
                              f"with no sequence longer than {longest}")
-    cu_seqlens_q._fusedtrain_checked = (weakref.ref(cu_seqlens_k),
-                                        *_value_check_mark(cu_seqlens_q, cu_seqlens_k, sizes))
+    _mark_checked(cu_seqlens_q, cu_seqlens_k, sizes)
+
+
+def _mark_checked(cu_q: Tensor, cu_k: Tensor, sizes: tuple[int, ...]) -> None:
+    """What _passed_before looks for: this pair passed the value check for these sizes."""
+    cu_q._fusedtrain_checked = (weakref.ref(cu_k), *_value_check_mark(cu_q, cu_k, sizes))
 
 
 def vouch_cu_seqlens(cu_seqlens: Tensor, n: int, max_seqlen: int) -> None:
@@ -393,9 +404,7 @@ def vouch_cu_seqlens(cu_seqlens: Tensor, n: int, max_seqlen: int) -> None:
     wait. Cleared like a passed check, by any write to it."""
     if torch.compiler.is_compiling():  # not checked there either
         return
-    sizes = (n, n, max_seqlen, max_seqlen)
-    cu_seqlens._fusedtrain_checked = (weakref.ref(cu_seqlens),
-                                      *_value_check_mark(cu_seqlens, cu_seqlens, sizes))
+    _mark_checked(cu_seqlens, cu_seqlens, (n, n, max_seqlen, max_seqlen))
 
 
 def flash_attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,

@@ -23,17 +23,13 @@ from fusedtrain.ops.attention import (
     checked_cu_seqlens,
     checked_scale,
     checked_window,
+    head_major,
 )
 from fusedtrain.ops.linear import linear_grads
 from fusedtrain.ops.qkv import checked_args
 from fusedtrain.ops.rope import _rope, checked_rope
 
 Tensor = torch.Tensor
-
-
-def _head_major(t: Tensor) -> Tensor:
-    """(N, H, D) -> the (1, H, N, D) view ops.rotary's kernel reads (one row of N tokens)."""
-    return t.transpose(0, 1)[None]
 
 
 def sequence_positions(cu_seqlens: Tensor, n: int) -> Tensor:
@@ -59,9 +55,9 @@ class QKVAttentionVarlenFunction(torch.autograd.Function):
         N = x.shape[0] * x.shape[1]
         y = F.linear(x.reshape(N, -1), weight, bias).view(N, H + 2 * HK, -1)
         q, k, v = y.split([H, HK, HK], dim=1)
-        if rope_base is not None:
-            q, k = (_rope(_head_major(t), rope_base, positions, False)[0].transpose(0, 1)
-                    for t in (q, k))
+        if rope_base is not None:  # q and k adjacent in y: one rotation into (N, H + HK, D)
+            qk = _rope(head_major(y[:, :H + HK]), rope_base, positions, False)[0].transpose(0, 1)
+            q, k = qk.split([H, HK], dim=1)
         o, lse = attention_fwd_varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
                                       causal, softmax_scale, *window, 0.0)
         ctx.save_for_backward(x, weight, q, k, v, o, lse, cu_seqlens, positions)
