@@ -36,11 +36,12 @@ class Documents(NamedTuple):
 def documents(cu_seqlens: Tensor, rows: int, length: int, window: int | None = None,
               eager: bool = True) -> Documents:
     """cu_seqlens: int32 (n + 1,), document starts in the (rows, length) batch's flattened
-    tokens (data.pack_collate's) -> Documents. Every row's start is added (where it is already one,
-    a zero-length document: programs that return at once), values are clamped
-    to [0, rows * length] and the end repeated up to the multiple, so the result follows
-    the varlen rules for any input: the attention ops are told so (vouch_cu_seqlens) and
-    read none of its values. window: each token sees itself and this many before it."""
+    tokens (data.pack_collate's) -> Documents. Every row's start is added (where it is
+    already one, a zero-length document: programs that return at once), values are
+    clamped to [0, rows * length] and the end repeated up to the multiple, so the result
+    follows the varlen rules for any input: the attention ops are told so
+    (vouch_cu_seqlens) and read none of its values. window: each token sees itself and
+    this many before it."""
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype != torch.int32:
         raise TypeError(f"cu_seqlens must be an int32 tensor, got "
                         f"{getattr(cu_seqlens, 'dtype', type(cu_seqlens).__name__)}")
